@@ -1,0 +1,27 @@
+# The two commands of the README: `make demo` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+COMFY ?= $(if $(RINGSWAP_COMFYUI),$(RINGSWAP_COMFYUI),$(CURDIR)/.comfyui)
+export RINGSWAP_COMFYUI_DIR := $(COMFY)
+
+.PHONY: env demo test test-gpu device-wheels clean
+
+env: $(VENV)/.ringswap-ready $(COMFY)/main.py
+
+$(VENV)/.ringswap-ready $(COMFY)/main.py: scripts/setup_env.sh requirements-dev.txt requirements.txt
+	./scripts/setup_env.sh
+
+demo: env
+	$(PY) scripts/demo.py
+
+test: env
+	$(PY) -m pytest -q tests
+
+test-gpu: env
+	$(PY) -m pytest -q -m gpu tests
+
+device-wheels:
+	./scripts/prepare_device_wheels.sh
+
+clean:
+	rm -rf $(VENV) .comfyui .whl
