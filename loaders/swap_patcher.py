@@ -1,0 +1,216 @@
+"""SwapModelPatcher: a ComfyUI ModelPatcher whose transformer blocks stream.
+
+ComfyUI's loader keeps managing everything but the blocks: `_load_list` leaves the
+block modules out, so ComfyUI never moves or patches their weights; `load` attaches
+the swap engine (resident blocks + GPU slot ring) and reports its true VRAM to
+ComfyUI's memory accounting; unloading or detaching frees the ring. The engine lives
+on the diffusion model (shared by all clones), the settings on each patcher.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import comfy.model_patcher
+
+from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
+
+log = logging.getLogger("ringswap.patcher")
+
+# Names of block lists in ComfyUI's DiTs, in execution order where a model has several.
+BLOCK_LIST_NAMES = ("blocks", "double_blocks", "single_blocks", "transformer_blocks", "joint_blocks", "layers")
+
+
+@dataclass(frozen=True)
+class SwapSettings:
+    window: int          # blocks kept on the device; 0 = from ComfyUI's memory budget
+    prefetch: int = 1
+    pin_memory: str = "auto"
+
+    def __post_init__(self):
+        if self.window < 0:
+            raise ValueError(f"RingSwap: window must be 0 (automatic) or a number of blocks, got {self.window}")
+        if self.prefetch < 0:
+            raise ValueError(f"RingSwap: prefetch must be 0 or more, got {self.prefetch}")
+        if self.pin_memory not in PIN_MODES:
+            raise ValueError(f"RingSwap: pin_memory must be one of {PIN_MODES}, got {self.pin_memory!r}")
+
+
+def find_block_lists(diffusion_model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The model's transformer block lists, e.g. [("blocks", ...)] for Wan."""
+    found = []
+    for name in BLOCK_LIST_NAMES:
+        blocks = getattr(diffusion_model, name, None)
+        if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
+            found.append((name, blocks))
+    return found
+
+
+class _SwapState:
+    """What all patchers of one diffusion model share: the engine and block names."""
+
+    def __init__(self, diffusion_model: nn.Module):
+        lists = find_block_lists(diffusion_model)
+        if not lists:
+            raise ValueError(
+                f"RingSwap: {type(diffusion_model).__name__} has no transformer block list "
+                f"(looked for a non-empty ModuleList named one of: {', '.join(BLOCK_LIST_NAMES)}); "
+                "this model cannot be block-swapped")
+        self.list_names = [n for n, _ in lists]
+        self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
+        self.engine = BlockSwapEngine([b for _, blocks in lists for b in blocks])
+        self.nonblock_bytes = sum(
+            t.numel() * t.element_size()
+            for n, t in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers())
+            if not any(n.startswith(p[len("diffusion_model."):]) for p in self.prefixes))
+
+    @classmethod
+    def of(cls, patcher: comfy.model_patcher.ModelPatcher) -> "_SwapState":
+        dm = patcher.model.diffusion_model
+        state = dm.__dict__.get("_ringswap_state")
+        if state is None:
+            state = cls(dm)
+            dm.__dict__["_ringswap_state"] = state
+        return state
+
+
+class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
+    ringswap: SwapSettings | None = None   # set by wrap(); None only inside wrap's clone call
+
+    @classmethod
+    def wrap(cls, model: comfy.model_patcher.ModelPatcher, settings: SwapSettings) -> "SwapModelPatcher":
+        """A clone of `model` (any ModelPatcher class) that block-swaps with `settings`.
+        The source's class is swapped only for the clone call, as ComfyUI-GGUF does, so
+        the clone is built as a plain SwapModelPatcher (never a dynamic-VRAM patcher)."""
+        if getattr(model, "model", None) is None or getattr(model.model, "diffusion_model", None) is None:
+            raise ValueError(f"RingSwap: expected a diffusion MODEL (a ComfyUI ModelPatcher with a "
+                             f"diffusion_model), got {type(model).__name__}")
+        state = _SwapState.of(model)
+        src_cls = model.__class__
+        model.__class__ = cls
+        try:
+            n = comfy.model_patcher.ModelPatcher.clone(model)
+        finally:
+            model.__class__ = src_cls
+        n.__class__ = cls
+        n.size = 0
+        n.ringswap = settings
+        if settings.window > state.engine.num_blocks:
+            log.warning("RingSwap: window=%d is more than the model's %d blocks; using %d (all resident)",
+                        settings.window, state.engine.num_blocks, state.engine.num_blocks)
+        return n
+
+    @property
+    def swap_state(self) -> _SwapState:
+        return _SwapState.of(self)
+
+    @property
+    def swap_engine(self) -> BlockSwapEngine:
+        return self.swap_state.engine
+
+    def clone(self, *args, **kwargs):
+        n = super().clone(*args, **kwargs)
+        n.ringswap = self.ringswap
+        return n
+
+    # ----- what ComfyUI loads itself: everything but the blocks --------------------------
+    def _load_list(self, *args, **kwargs):
+        prefixes = self.swap_state.prefixes
+        return [x for x in super()._load_list(*args, **kwargs)
+                if not any(isinstance(v, str) and (v + ".").startswith(prefixes) for v in x)]
+
+    def _window(self, lowvram_model_memory: float, full_load: bool) -> int:
+        engine, s = self.swap_engine, self.ringswap
+        if s.window > 0:
+            return min(s.window, engine.num_blocks)
+        if full_load or not lowvram_model_memory or self.load_device.type == "cpu":
+            return engine.num_blocks
+        budget = lowvram_model_memory - self.swap_state.nonblock_bytes
+        fit = int(budget // engine.block_bytes()) - s.prefetch
+        return max(1, min(engine.num_blocks, fit))
+
+    def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, *args, **kwargs):
+        device = torch.device(device_to) if device_to is not None else self.load_device
+        engine = self.swap_engine
+        window = self._window(lowvram_model_memory, full_load)
+        plan = engine.attach(device, window, self.ringswap.prefetch, self.ringswap.pin_memory)
+        try:
+            super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
+        except BaseException:
+            engine.detach()
+            raise
+        if not self.model.model_lowvram:
+            self.model.model_loaded_weight_memory = self.model_size()
+        else:
+            self.model.model_loaded_weight_memory += engine.device_bytes()
+        log.info("RingSwap load: %d blocks on %s, window %d, prefetch %d: %s, %s memory; "
+                 "%.2f GB of blocks on the device, %.2f GB at home",
+                 engine.num_blocks, device, window, self.ringswap.prefetch, plan.describe(),
+                 engine.memory, engine.device_bytes() / 1e9, engine.pool.nbytes / 1e9)
+
+    def model_size(self):
+        state = self.swap_state
+        engine = state.engine
+        if engine.plan is not None:
+            return state.nonblock_bytes + engine.device_bytes()
+        if self.ringswap is not None and self.ringswap.window > 0:   # plan known before loading
+            plan = ResidencyPlan.make(engine.num_blocks, min(self.ringswap.window, engine.num_blocks),
+                                      self.ringswap.prefetch)
+            return state.nonblock_bytes + engine.device_bytes(plan)
+        return state.nonblock_bytes + engine.total_block_bytes()
+
+    def _attached_as_configured(self, device) -> bool:
+        """Is the shared engine attached the way this patcher asks for?"""
+        att, s = self.swap_engine.att, self.ringswap
+        if att is None or att.device != torch.device(device) or att.pin_memory != s.pin_memory:
+            return False
+        if att.plan.prefetch != s.prefetch:
+            return False
+        return s.window == 0 or att.plan.window == min(s.window, att.plan.num_blocks)
+
+    def partially_load(self, device_to, extra_memory=0, *args, **kwargs):
+        if not self._attached_as_configured(device_to):
+            # The shared model is loaded for another patcher (the stock one, or another
+            # RingSwap setting): unload it fully so ComfyUI runs our load() from scratch.
+            used = self.model.model_loaded_weight_memory
+            self.unpatch_model(self.offload_device, unpatch_weights=True)
+            extra_memory += used
+        return super().partially_load(device_to, extra_memory, *args, **kwargs)
+
+    # ----- unloading -------------------------------------------------------------------
+    def _release_engine(self) -> int:
+        """Detach the engine (frees ring and resident blocks); returns the bytes freed and
+        marks the model partially loaded so the next load attaches again."""
+        engine = self.swap_engine
+        if engine.att is None:
+            return 0
+        freed = engine.device_bytes()
+        engine.detach()
+        if self.model.model_loaded_weight_memory > 0:
+            self.model.model_loaded_weight_memory = max(0, self.model.model_loaded_weight_memory - freed)
+            self.model.model_lowvram = True
+        return freed
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True, *args, **kwargs):
+        if unpatch_weights:
+            self.swap_engine.detach()
+        return super().unpatch_model(device_to, unpatch_weights, *args, **kwargs)
+
+    def detach(self, unpatch_all=True, *args, **kwargs):
+        # Another patcher of the same model may load next: give the blocks back either way.
+        self._release_engine()
+        return super().detach(unpatch_all, *args, **kwargs)
+
+    def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
+        freed = self._release_engine()
+        if memory_to_free > freed:
+            freed += super().partially_unload(device_to, memory_to_free - freed, *args, **kwargs)
+        return freed
+
+    # ----- sampling runs ---------------------------------------------------------------
+    def cleanup(self, *args, **kwargs):
+        self.swap_engine.end_run()
+        return super().cleanup(*args, **kwargs)

@@ -1,0 +1,35 @@
+"""RingSwap Patch: turn on block swapping for any MODEL (e.g. from Load Diffusion Model)."""
+from __future__ import annotations
+
+from ..loaders.swap_patcher import SwapModelPatcher, SwapSettings
+from ..swap import PIN_MODES
+
+WINDOW_TIP = ("Transformer blocks kept on the GPU. window-1 blocks stay resident for the whole run; the "
+              "others stream through a small ring of GPU slots. 0 = automatic: as many as fit in the VRAM "
+              "ComfyUI grants the model (all blocks on CPU). Values above the model's block count are "
+              "clamped (all blocks resident).")
+PREFETCH_TIP = ("Blocks copied ahead of the one computing (extra GPU slots). 1 hides copies under "
+                "compute on most cards; 0 uses the least VRAM.")
+PIN_TIP = ("Page-lock the host copies of streamed blocks for fast async copies. auto: pin, and fall back "
+           "to pageable memory + a pinned staging ring if pinning fails; on: pin or fail; off: never pin "
+           "(slow copies, for systems where pinning misbehaves).")
+
+
+class RingSwapPatch:
+    CATEGORY = "RingSwap"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    DESCRIPTION = ("Block swapping for any diffusion transformer MODEL: keeps `window` blocks on the GPU "
+                   "and streams the rest from host RAM while the GPU computes. Use with any stock sampler.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The model to block-swap, e.g. from Load Diffusion Model."}),
+            "window": ("INT", {"default": 0, "min": 0, "max": 1000, "tooltip": WINDOW_TIP}),
+            "prefetch": ("INT", {"default": 1, "min": 0, "max": 8, "tooltip": PREFETCH_TIP}),
+            "pin_memory": (list(PIN_MODES), {"default": "auto", "tooltip": PIN_TIP}),
+        }}
+
+    def patch(self, model, window: int, prefetch: int, pin_memory: str):
+        return (SwapModelPatcher.wrap(model, SwapSettings(window, prefetch, pin_memory)),)

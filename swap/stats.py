@@ -1,0 +1,36 @@
+"""What one sampling run moved and how well the copies hid under compute."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunStats:
+    blocks: int
+    resident: int
+    streamed: int
+    ring_slots: int
+    window: int
+    prefetch: int
+    memory: str            # "pinned", "staged" or "pageable"
+    copies: int = 0
+    bytes_copied: int = 0
+    copy_s: float = 0.0    # time the copy stream spent copying
+    wait_s: float = 0.0    # time the compute stream stood waiting for copies
+    forwards: int = 0      # streamed-block forwards
+
+    @property
+    def hidden_s(self) -> float:
+        return max(0.0, self.copy_s - self.wait_s)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_copied / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+
+    def line(self) -> str:
+        hidden = 100.0 * self.hidden_s / self.copy_s if self.copy_s > 0 else 100.0
+        return (f"RingSwap run: {self.blocks} blocks ({self.resident} resident, {self.streamed} streamed, "
+                f"ring {self.ring_slots}), window {self.window}, prefetch {self.prefetch}, {self.memory} memory; "
+                f"copied {self.bytes_copied / 1e9:.2f} GB in {self.copies} copies at {self.gbps:.1f} GB/s; "
+                f"copy time {self.copy_s * 1e3:.0f} ms, {self.hidden_s * 1e3:.0f} ms hidden under compute "
+                f"({hidden:.0f}%), compute waited {self.wait_s * 1e3:.0f} ms")

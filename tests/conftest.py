@@ -1,0 +1,47 @@
+"""Test set-up: a real ComfyUI 0.3.75 runtime, in-process (nothing mocked).
+
+ComfyUI's folder (RINGSWAP_COMFYUI_DIR, default .comfyui/) goes on sys.path; on a
+machine without CUDA it is told so before `comfy.model_management` is imported, as its
+own `--cpu` flag would. The pack is imported under its ComfyUI module name `ringswap`
+through the custom_nodes folder, as ComfyUI itself imports it.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMFY = os.environ.get("RINGSWAP_COMFYUI_DIR") or os.path.join(REPO, ".comfyui")
+if not os.path.isfile(os.path.join(COMFY, "main.py")):
+    raise RuntimeError(f"no ComfyUI at {COMFY}: run `make env` (or set RINGSWAP_COMFYUI_DIR)")
+sys.path.insert(0, COMFY)
+sys.path.insert(0, os.path.join(COMFY, "custom_nodes"))
+link = os.path.join(COMFY, "custom_nodes", "ringswap")
+if not os.path.exists(link):
+    os.symlink(REPO, link)
+
+from comfy.cli_args import args  # noqa: E402
+
+if not torch.cuda.is_available():
+    args.cpu = True
+
+import comfy.model_management  # noqa: E402,F401
+import comfy.sd  # noqa: E402,F401
+
+CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _unload_models():
+    """Each test starts with no model loaded, as after ComfyUI's 'Unload models'."""
+    yield
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
