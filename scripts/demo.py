@@ -27,6 +27,9 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 RUN_MARK = "RingSwap run:"
 
 
+REPO_OUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--comfyui", default=os.environ.get("RINGSWAP_COMFYUI_DIR")
@@ -91,8 +94,11 @@ def main(argv=None) -> int:
                 print(f"demo: FAILED: no '{RUN_MARK}' line in the server log; tail:\n"
                       + srv.log_tail(), file=sys.stderr)
                 return 1
+            out_dir = os.path.join(REPO_OUT, "out")
+            os.makedirs(out_dir, exist_ok=True)
             for p in latents:
-                print(f"demo: output latent {p} ({os.path.getsize(p)} bytes)")
+                kept = shutil.copy(p, os.path.join(out_dir, os.path.basename(p)))
+                print(f"demo: output latent {kept} ({os.path.getsize(kept)} bytes)")
             if a.keep:
                 print(f"demo: server folder kept: {srv.workdir}")
             print(f"demo: OK: sampling {run_s:.1f}s, total {time.perf_counter() - t0:.1f}s"

@@ -44,7 +44,12 @@ __version__ = "0.0.0+ringswap.stub"
 _MSG = "PyAV is not installed on this machine (RingSwap's av stand-in): no video/audio I/O"
 
 
-class _Placeholder(Exception):
+class _Meta(type):
+    def __getattr__(cls, name):  # av.AudioFrame.from_ndarray(...) and the like
+        raise AttributeError(f"{cls.__name__}.{name}: {_MSG}")
+
+
+class _Placeholder(Exception, metaclass=_Meta):
     def __init__(self, *args, **kwargs):
         raise RuntimeError(_MSG)
 

@@ -1,0 +1,57 @@
+"""The pack inside a running ComfyUI server, driven over its HTTP API."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import COMFY, CUDA
+from support.comfy_server import ComfyServer
+from support.wan_files import write_tiny_wan
+from support.workflows import build_workflow
+
+pytestmark = pytest.mark.server
+
+UNET = "tiny_wan.safetensors"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    models = tmp_path_factory.mktemp("models")
+    write_tiny_wan(os.path.join(models, "diffusion_models", UNET), dim=128, num_layers=6, ffn_dim=256)
+    with ComfyServer(COMFY, str(models), cpu=not CUDA) as srv:
+        yield srv
+
+
+def latent_of(srv, entry):
+    (path,) = [p for p in srv.output_files(entry, "latents") if os.path.isfile(p)]
+    return load_file(path)["latent_tensor"]
+
+
+def test_pack_imports_cleanly_and_nodes_are_listed(server):
+    info = server.object_info()
+    node = info["RingSwapPatch"]
+    assert node["category"] == "RingSwap"
+    required = node["input"]["required"]
+    assert set(required) == {"model", "window", "prefetch", "pin_memory"}
+    for name in ("window", "prefetch", "pin_memory"):
+        assert required[name][1].get("tooltip"), f"{name} has no tooltip"
+    assert required["prefetch"][1]["default"] == 1
+    assert required["pin_memory"][0] == ["auto", "on", "off"]
+    log = server.log_text()
+    assert "IMPORT FAILED" not in log and "Cannot import" not in log
+    assert not [ln for ln in log.splitlines() if "ringswap" in ln.lower() and
+                ("warning" in ln.lower() or "error" in ln.lower() or "traceback" in ln.lower())]
+
+
+def test_workflow_latent_equals_unpatched(server):
+    ref = latent_of(server, server.run(build_workflow(UNET, use_patch=False, seed=3,
+                                                      filename_prefix="plain"), timeout=300))
+    for window, prefetch in ((2, 1), (1, 0), (3, 2)):
+        entry = server.run(build_workflow(UNET, use_patch=True, window=window, prefetch=prefetch,
+                                          seed=3, filename_prefix=f"swap_{window}_{prefetch}"),
+                           timeout=300)
+        assert torch.equal(latent_of(server, entry), ref), (window, prefetch)
+    runs = [ln for ln in server.log_text().splitlines() if "RingSwap run:" in ln]
+    assert len(runs) == 3
+    assert "6 blocks (1 resident, 5 streamed, ring 2), window 2, prefetch 1" in runs[0]
