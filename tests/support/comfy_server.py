@@ -144,7 +144,7 @@ class ComfyServer:
         wd = self.workdir
         cmd = [sys.executable, "main.py",
                "--listen", "127.0.0.1", "--port", str(self.port),
-               "--disable-auto-launch",
+               "--disable-auto-launch", "--disable-api-nodes",
                "--front-end-root", os.path.join(wd, "frontend"),
                "--output-directory", os.path.join(wd, "output"),
                "--input-directory", os.path.join(wd, "input"),
