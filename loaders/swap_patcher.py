@@ -9,6 +9,9 @@ on the diffusion model (shared by all clones), the settings on each patcher.
 from __future__ import annotations
 
 import logging
+import sys
+import uuid
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +101,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         n.__class__ = cls
         n.size = 0
         n.ringswap = settings
+        # Our own weight state: ComfyUI then fully unloads whatever another patcher of
+        # the same model left on the GPU before loading this one (partially_load).
+        n.patches_uuid = uuid.uuid4()
         if settings.window > state.engine.num_blocks:
             log.warning("RingSwap: window=%d is more than the model's %d blocks; using %d (all resident)",
                         settings.window, state.engine.num_blocks, state.engine.num_blocks)
@@ -136,7 +142,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         device = torch.device(device_to) if device_to is not None else self.load_device
         engine = self.swap_engine
         window = self._window(lowvram_model_memory, full_load)
-        plan = engine.attach(device, window, self.ringswap.prefetch, self.ringswap.pin_memory)
+        plan = engine.attach(device, window, self.ringswap.prefetch, self.ringswap.pin_memory,
+                             owner=weakref.ref(self))
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:
@@ -162,30 +169,20 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             return state.nonblock_bytes + engine.device_bytes(plan)
         return state.nonblock_bytes + engine.total_block_bytes()
 
-    def _attached_as_configured(self, device) -> bool:
-        """Is the shared engine attached the way this patcher asks for?"""
-        att, s = self.swap_engine.att, self.ringswap
-        if att is None or att.device != torch.device(device) or att.pin_memory != s.pin_memory:
-            return False
-        if att.plan.prefetch != s.prefetch:
-            return False
-        return s.window == 0 or att.plan.window == min(s.window, att.plan.num_blocks)
-
-    def partially_load(self, device_to, extra_memory=0, *args, **kwargs):
-        if not self._attached_as_configured(device_to):
-            # The shared model is loaded for another patcher (the stock one, or another
-            # RingSwap setting): unload it fully so ComfyUI runs our load() from scratch.
-            used = self.model.model_loaded_weight_memory
-            self.unpatch_model(self.offload_device, unpatch_weights=True)
-            extra_memory += used
-        return super().partially_load(device_to, extra_memory, *args, **kwargs)
-
     # ----- unloading -------------------------------------------------------------------
+    def _owns_engine(self) -> bool:
+        att = self.swap_engine.att
+        return att is not None and att.owner() is self
+
     def _release_engine(self) -> int:
-        """Detach the engine (frees ring and resident blocks); returns the bytes freed and
-        marks the model partially loaded so the next load attaches again."""
+        """Detach the engine if this patcher attached it (frees ring and resident blocks);
+        returns the bytes freed and marks the model partially loaded so the next load
+        attaches again. ComfyUI detaches a model before every load of it (even of itself),
+        so this runs once per sampling run; the pinned home stays, so attaching again
+        costs only the resident blocks' copy. A sibling clone being evicted or
+        garbage-collected leaves the engine alone."""
         engine = self.swap_engine
-        if engine.att is None:
+        if sys.is_finalizing() or not self._owns_engine():
             return 0
         freed = engine.device_bytes()
         engine.detach()

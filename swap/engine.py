@@ -43,7 +43,9 @@ class BlockState:
 class _Attachment:
     """Everything that exists only while the engine is attached to a device."""
 
-    def __init__(self, device: torch.device, plan: ResidencyPlan, memory: str, pin_memory: str):
+    def __init__(self, device: torch.device, plan: ResidencyPlan, memory: str, pin_memory: str,
+                 owner: object):
+        self.owner = owner          # opaque token of whoever attached (e.g. a weakref)
         self.device = device
         self.plan = plan
         self.memory = memory
@@ -117,8 +119,9 @@ class BlockSwapEngine:
 
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, window: int, prefetch: int,
-               pin_memory: str = "auto") -> ResidencyPlan:
-        """Place resident blocks on `device`, hook the streamed ones and prime the ring."""
+               pin_memory: str = "auto", owner: object = None) -> ResidencyPlan:
+        """Place resident blocks on `device`, hook the streamed ones and prime the ring.
+        Attaching again with the same settings keeps everything and only takes `owner`."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -127,11 +130,12 @@ class BlockSwapEngine:
         plan = ResidencyPlan.make(self.num_blocks, window, prefetch)
         if self.att is not None:
             if (self.att.device, self.att.plan, self.att.pin_memory) == (device, plan, pin_memory):
+                self.att.owner = owner
                 return plan
             self.detach()
         self._ensure_home()
         memory = self._choose_memory(device, plan, pin_memory)
-        att = _Attachment(device, plan, memory, pin_memory)
+        att = _Attachment(device, plan, memory, pin_memory, owner)
         try:
             for i in plan.resident:
                 s = self.states[i]

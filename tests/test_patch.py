@@ -109,6 +109,15 @@ def test_stock_model_unchanged_after_swapping(reference):
     assert torch.equal(forward(stock, *inputs(seed=0)), ref_outs[0])
 
 
+def test_switching_between_stock_and_swapped_without_unloading(reference):
+    """ComfyUI evicts one patcher of a model when another loads; each must stay exact."""
+    stock, ref_outs, _ = reference
+    a, b = patched(stock, 2, 1), patched(stock, 3, 0)
+    for model in (stock, a, stock, b, a, b, stock):
+        assert torch.equal(forward(model, *inputs(seed=1)), ref_outs[1])
+    assert a.swap_engine.att is None, "loading the stock patcher must give the blocks back"
+
+
 def test_other_samplers(reference):
     stock, _, ref_runs = reference
     model = patched(stock, 2, 1)
