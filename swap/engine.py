@@ -10,6 +10,8 @@ Imports torch only: nothing here knows about ComfyUI.
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -18,6 +20,7 @@ from .hooks import BlockHooks
 from .host_pool import HostPool
 from .layout import BlockBinding, BlockLayout
 from .plan import ResidencyPlan
+from .read_ahead import ReadAhead, ReadFn
 from .slot_ring import Slot, SlotRing
 from .stats import RunStats
 from .transfer import CopyStream
@@ -52,6 +55,7 @@ class _Attachment:
         self.pin_memory = pin_memory
         self.copier = CopyStream(device)
         self.ring: SlotRing | None = None
+        self.readahead: ReadAhead | None = None
         self.hooks: BlockHooks | None = None
         self.order = {b: j for j, b in enumerate(plan.streamed)}
         self.stats = self.new_stats()
@@ -67,10 +71,25 @@ class _Attachment:
         return [s[(j + k) % len(s)] for k in range(1, len(s) + 1)]
 
 
+HOMES = ("ram", "disk")
+
+
 class BlockSwapEngine:
-    def __init__(self, blocks: list[nn.Module]):
+    """`home="ram"`: every block has a host copy (taken from the module's tensors, or read
+    once through `read_block`). `home="disk"`: blocks are read through `read_block` into a
+    few staging buffers ahead of need and never held in host RAM as a whole."""
+
+    def __init__(self, blocks: list[nn.Module], read_block: ReadFn | None = None,
+                 home: str = "ram", disk_workers: int = 4):
         if not blocks:
             raise ValueError("BlockSwapEngine needs at least one block")
+        if home not in HOMES:
+            raise ValueError(f"home must be one of {HOMES}, got {home!r}")
+        if home == "disk" and read_block is None:
+            raise ValueError("home='disk' needs a read_block function")
+        self.read_block = read_block
+        self.home = home
+        self.disk_workers = max(1, disk_workers)
         layouts: dict[BlockLayout, BlockLayout] = {}
         self.states = []
         for i, block in enumerate(blocks):
@@ -100,10 +119,45 @@ class BlockSwapEngine:
         return sum(self.states[i].layout.nbytes for i in plan.resident) + ring * plan.ring_slots
 
     # ----- home ----------------------------------------------------------------------
+    def fill_home(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """home=ram with a reader: read every block once into its host buffer (parallel
+        reads); calls progress(done_bytes, total_bytes). Returns the bytes read."""
+        if self.home != "ram" or self.read_block is None:
+            return 0
+        todo = [s for s in self.states if s.index not in self.pool.blocks]
+        total = sum(s.layout.nbytes for s in todo)
+        try:
+            futures = [(s, self.pool.add(s.index, s.layout.nbytes)) for s in todo]
+            futures = [(s, buf, self.read_block(s.index, buf.flat)) for s, buf in futures]
+            done = 0
+            for s, buf, fut in futures:
+                fut.result()
+                s.binding.bind(s.layout.views(buf.flat))
+                done += s.layout.nbytes
+                if progress is not None:
+                    progress(done, total)
+        except BaseException:
+            for s, buf, fut in futures:
+                fut.cancel()
+            for s, buf, fut in futures:
+                if not fut.cancelled():
+                    try:
+                        fut.result()
+                    except BaseException:
+                        pass
+            self.release_home()
+            raise
+        return total
+
     def _ensure_home(self) -> None:
         """Give every block an exact-size host home holding its current weights, and
         point its parameters there. Re-captures a block whose tensors were replaced
         from outside (e.g. another loader moved the shared model)."""
+        if self.home == "disk":
+            return
+        if self.read_block is not None:
+            self.fill_home()
+            return
         for s in self.states:
             buf = self.pool.blocks.get(s.index)
             current = s.binding.current()
@@ -137,10 +191,18 @@ class BlockSwapEngine:
         memory = self._choose_memory(device, plan, pin_memory)
         att = _Attachment(device, plan, memory, pin_memory, owner)
         try:
+            if self.home == "disk":
+                att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
+                                          pin=device.type == "cuda" and pin_memory != "off")
             for i in plan.resident:
                 s = self.states[i]
                 s.device_buffer = torch.empty(s.layout.nbytes, dtype=torch.uint8, device=device)
-                att.copier.copy(s.device_buffer, self.pool.blocks[i].flat, None)
+                if att.readahead is None:
+                    att.copier.copy(s.device_buffer, self.pool.blocks[i].flat, None)
+                else:
+                    staged = att.readahead.take(i, s.layout.nbytes)
+                    att.readahead.release(staged, att.copier.copy(
+                        s.device_buffer, staged.buffer.flat[:s.layout.nbytes], None))
                 s.binding.bind(s.layout.views(s.device_buffer))
             if plan.streamed:
                 nbytes = max(self.states[i].layout.nbytes for i in plan.streamed)
@@ -166,6 +228,8 @@ class BlockSwapEngine:
         return plan
 
     def _choose_memory(self, device: torch.device, plan: ResidencyPlan, pin_memory: str) -> str:
+        if self.home == "disk":
+            return "disk"
         if not plan.streamed:
             return "pinned" if self.pool.pinned_bytes else "pageable"
         if device.type != "cuda":
@@ -193,6 +257,8 @@ class BlockSwapEngine:
         try:
             att.copier.synchronize()
         finally:
+            if att.readahead is not None:
+                att.readahead.release_all()
             if att.hooks is not None:
                 att.hooks.remove()
             for s in self.states:
@@ -200,6 +266,8 @@ class BlockSwapEngine:
                 s.slot = None
                 if s.index in self.pool.blocks:
                     s.binding.bind(self._home_views(s))
+                elif s.placeholders is not None:
+                    s.binding.bind([p.cpu() for p in s.placeholders])
             if att.ring is not None:
                 att.ring.release()
             self.att = None
@@ -212,21 +280,61 @@ class BlockSwapEngine:
 
     # ----- the block loop --------------------------------------------------------------
     def _issue(self, block: int, slot: Slot) -> None:
-        """Start copying `block` into `slot` once the slot's previous owner is done."""
+        """Give `slot` to `block` and start its copy once the previous owner is done
+        (home=disk: once its read has landed; see _pump)."""
         att = self.att
         s = self.states[block]
+        slot.owner = block
+        att.stats.copies += 1
+        att.stats.bytes_copied += s.layout.nbytes
+        if att.readahead is not None:
+            slot.ready = None
+            slot.loading = att.readahead.request(block, s.layout.nbytes) or True
+            self._pump(after=block)
+            return
         src = self.pool.blocks[block].flat
-        dst = slot.flat[:s.layout.nbytes]
         if slot.staging is not None:
             if slot.ready is not None:
                 slot.ready.synchronize()   # staging buffer still feeding the last copy
             staged = slot.staging.flat[:s.layout.nbytes]
             staged.copy_(src)
             src = staged
-        slot.owner = block
-        slot.ready = att.copier.copy(dst, src, slot.free)
-        att.stats.copies += 1
-        att.stats.bytes_copied += s.layout.nbytes
+        slot.ready = att.copier.copy(slot.flat[:s.layout.nbytes], src, slot.free)
+
+    def _land(self, slot: Slot, wait: bool) -> None:
+        """home=disk: copy a slot's block from its staging buffer once the read is done."""
+        att, block = self.att, slot.owner
+        nbytes = self.states[block].layout.nbytes
+        staged = slot.loading if slot.loading is not True else None
+        if staged is None or not staged.future.done():
+            if not wait:
+                if staged is None:
+                    slot.loading = att.readahead.request(block, nbytes) or True
+                return
+            t0 = time.perf_counter()
+            staged = att.readahead.take(block, nbytes)
+            att.stats.read_wait_s += time.perf_counter() - t0
+        staged.future.result()
+        slot.ready = att.copier.copy(slot.flat[:nbytes], staged.buffer.flat[:nbytes], slot.free)
+        att.readahead.release(staged, slot.ready)
+        slot.loading = None
+        att.stats.bytes_read += nbytes
+
+    def _pump(self, after: int | None = None) -> None:
+        """home=disk: land finished reads; with `after`, keep reads going for the
+        streamed blocks that follow it (as many as there are free staging buffers)."""
+        att = self.att
+        for slot in att.ring.slots:
+            if slot.loading is not None:
+                self._land(slot, wait=False)
+        if after is None:
+            return
+        owners = set(att.ring.owners())
+        for b in att.upcoming(after)[:len(att.readahead.staging)]:
+            if b in owners or att.readahead.pending(b) is not None:
+                continue
+            if att.readahead.request(b, self.states[b].layout.nbytes) is None:
+                break
 
     def _before_block(self, block: int) -> None:
         att = self.att
@@ -234,6 +342,8 @@ class BlockSwapEngine:
         if slot is None:   # not predicted (first call after a plan change, odd call order)
             slot = att.ring.victim(att.upcoming(block)[:-1])
             self._issue(block, slot)
+        if slot.loading is not None:
+            self._land(slot, wait=True)
         att.copier.compute_wait(slot.ready)
         s = self.states[block]
         s.slot = slot
@@ -253,6 +363,8 @@ class BlockSwapEngine:
         nxt = next((b for b in att.upcoming(block) if b not in owned), None)
         if nxt is not None:
             self._issue(nxt, slot)
+        elif att.readahead is not None:
+            self._pump()
 
     # ----- runs ------------------------------------------------------------------------
     def end_run(self) -> RunStats | None:

@@ -23,6 +23,7 @@ class Slot:
     owner: int | None = None              # block whose weights are (being) copied here
     ready: object = None                  # event: the owner's copy has landed
     free: object = None                   # event: the previous owner's compute is done
+    loading: object = None                # home=disk: the owner's read is not copied yet
     _views: dict = field(default_factory=dict)
 
     def views(self, layout: BlockLayout) -> list[torch.Tensor]:

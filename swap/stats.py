@@ -18,6 +18,8 @@ class RunStats:
     copy_s: float = 0.0    # time the copy stream spent copying
     wait_s: float = 0.0    # time the compute stream stood waiting for copies
     forwards: int = 0      # streamed-block forwards
+    bytes_read: int = 0    # home=disk: bytes read from the file
+    read_wait_s: float = 0.0   # home=disk: time the block loop waited for reads
 
     @property
     def hidden_s(self) -> float:
@@ -33,4 +35,6 @@ class RunStats:
                 f"ring {self.ring_slots}), window {self.window}, prefetch {self.prefetch}, {self.memory} memory; "
                 f"copied {self.bytes_copied / 1e9:.2f} GB in {self.copies} copies at {self.gbps:.1f} GB/s; "
                 f"copy time {self.copy_s * 1e3:.0f} ms, {self.hidden_s * 1e3:.0f} ms hidden under compute "
-                f"({hidden:.0f}%), compute waited {self.wait_s * 1e3:.0f} ms")
+                f"({hidden:.0f}%), compute waited {self.wait_s * 1e3:.0f} ms"
+                + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
+                   "for reads" if self.memory == "disk" else ""))

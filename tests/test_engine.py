@@ -1,0 +1,140 @@
+"""The swap engine alone, on CPU, with plain torch modules (no ComfyUI involved)."""
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+
+from ringswap.swap import BlockSwapEngine, ResidencyPlan
+from ringswap.swap.layout import BlockBinding, BlockLayout
+
+N = 7
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.lin = nn.Linear(32, 32)
+        self.register_buffer("gain", torch.randn(32))
+
+    def forward(self, x):
+        return x + self.lin(self.norm(x)) * self.gain
+
+
+def make_blocks():
+    torch.manual_seed(0)
+    return nn.ModuleList([Block() for _ in range(N)])
+
+
+class FileLike:
+    """Blocks packed as bytes, read on worker threads like the loader's BlockReader."""
+
+    def __init__(self, blocks, delay=0.0):
+        self.flats = {}
+        for i, b in enumerate(blocks):
+            layout = BlockLayout.of(b)
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+            layout.pack(BlockBinding(b, layout).current(), flat)
+            self.flats[i] = flat
+        self.pool = ThreadPoolExecutor(2)
+        self.delay = delay
+        self.reads = 0
+        self.broken = False
+
+    def read(self, i, dest):
+        def job():
+            time.sleep(self.delay)
+            if self.broken:
+                raise OSError(f"block {i}: file ended early")
+            dest.copy_(self.flats[i][:dest.numel()])
+            self.reads += 1
+            return dest.numel()
+        return self.pool.submit(job)
+
+
+def run(blocks, x):
+    with torch.no_grad():
+        for b in blocks:
+            x = b(x)
+    return x
+
+
+X = torch.randn(4, 32)
+
+
+@pytest.mark.parametrize("home", ["module", "ram", "disk"])
+def test_every_window_and_prefetch_is_bit_exact(home):
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks, delay=0.001)
+    if home == "module":
+        engine = BlockSwapEngine(list(blocks))
+    else:
+        engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
+    for window in range(1, N + 1):
+        for prefetch in range(0, 3):
+            engine.attach("cpu", window, prefetch)
+            seen = []
+            probes = [b.lin.register_forward_pre_hook(
+                lambda m, a: seen.append(len(engine.blocks_on_device()))) for b in blocks]
+            try:
+                for _ in range(3):
+                    assert torch.equal(run(blocks, X), ref), (home, window, prefetch)
+            finally:
+                for p in probes:
+                    p.remove()
+            assert max(seen) <= window + prefetch
+            if home == "disk" and engine.att.readahead is not None:
+                assert len(engine.att.readahead.staging) == 2
+            engine.end_run()
+            engine.detach()
+    if home != "disk":
+        assert torch.equal(run(blocks, X), ref), "detached blocks point at their home"
+
+
+def test_plan():
+    p = ResidencyPlan.make(40, 4, 1)
+    assert len(p.resident) == 3 and len(p.streamed) == 37 and p.ring_slots == 2
+    assert p.max_on_device == 5
+    assert ResidencyPlan.make(8, 7, 1).streamed == ()
+    with pytest.raises(ValueError, match="window must be at least 1"):
+        ResidencyPlan.make(8, 0, 1)
+    assert p.next_streamed(p.streamed[-1])[0] == p.streamed[0]
+
+
+def test_exception_mid_block_then_next_run_is_exact():
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    engine = BlockSwapEngine(list(blocks))
+    engine.attach("cpu", 2, 1)
+
+    def boom(module, args):
+        raise KeyboardInterrupt("interrupted")
+    h = blocks[3].lin.register_forward_pre_hook(boom)
+    with pytest.raises(KeyboardInterrupt):
+        run(blocks, X)
+    h.remove()
+    engine.end_run()
+    assert all(s.slot is None for s in engine.states)
+    assert torch.equal(run(blocks, X), ref)
+
+
+def test_disk_read_failure_is_reported_and_recoverable():
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="disk", disk_workers=2)
+    engine.attach("cpu", 2, 1)
+    assert torch.equal(run(blocks, X), ref)
+    src.broken = True
+    with pytest.raises(OSError, match="file ended early"):
+        for _ in range(3):
+            run(blocks, X)
+    engine.end_run()
+    engine.detach()
+    src.broken = False
+    engine.attach("cpu", 2, 1)
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
