@@ -52,10 +52,10 @@ def find_block_lists(diffusion_model: nn.Module) -> list[tuple[str, nn.ModuleLis
     return found
 
 
-class _SwapState:
+class SwapState:
     """What all patchers of one diffusion model share: the engine and block names."""
 
-    def __init__(self, diffusion_model: nn.Module):
+    def __init__(self, diffusion_model: nn.Module, engine: BlockSwapEngine | None = None):
         lists = find_block_lists(diffusion_model)
         if not lists:
             raise ValueError(
@@ -64,14 +64,21 @@ class _SwapState:
                 "this model cannot be block-swapped")
         self.list_names = [n for n, _ in lists]
         self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
-        self.engine = BlockSwapEngine([b for _, blocks in lists for b in blocks])
+        self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
         self.nonblock_bytes = sum(
             t.numel() * t.element_size()
             for n, t in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers())
             if not any(n.startswith(p[len("diffusion_model."):]) for p in self.prefixes))
 
     @classmethod
-    def of(cls, patcher: comfy.model_patcher.ModelPatcher) -> "_SwapState":
+    def install(cls, diffusion_model: nn.Module, engine: BlockSwapEngine) -> "SwapState":
+        """Use `engine` (e.g. one that reads blocks from a file) for this model."""
+        state = cls(diffusion_model, engine)
+        diffusion_model.__dict__["_ringswap_state"] = state
+        return state
+
+    @classmethod
+    def of(cls, patcher: comfy.model_patcher.ModelPatcher) -> "SwapState":
         dm = patcher.model.diffusion_model
         state = dm.__dict__.get("_ringswap_state")
         if state is None:
@@ -91,7 +98,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         if getattr(model, "model", None) is None or getattr(model.model, "diffusion_model", None) is None:
             raise ValueError(f"RingSwap: expected a diffusion MODEL (a ComfyUI ModelPatcher with a "
                              f"diffusion_model), got {type(model).__name__}")
-        state = _SwapState.of(model)
+        state = SwapState.of(model)
         src_cls = model.__class__
         model.__class__ = cls
         try:
@@ -110,8 +117,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         return n
 
     @property
-    def swap_state(self) -> _SwapState:
-        return _SwapState.of(self)
+    def swap_state(self) -> SwapState:
+        return SwapState.of(self)
 
     @property
     def swap_engine(self) -> BlockSwapEngine:

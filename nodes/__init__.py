@@ -1,10 +1,13 @@
 """RingSwap's ComfyUI nodes: read widgets, call loaders/lora/swap, return MODEL."""
+from .model_loader import RingSwapModelLoader
 from .patch import RingSwapPatch
 
 NODE_CLASS_MAPPINGS = {
     "RingSwapPatch": RingSwapPatch,
+    "RingSwapModelLoader": RingSwapModelLoader,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "RingSwapPatch": "RingSwap Patch (block swap any model)",
+    "RingSwapModelLoader": "RingSwap Model Loader",
 }

@@ -98,6 +98,9 @@ class BlockSwapEngine:
             self.states.append(BlockState(i, block, layout))
         self.pool = HostPool()
         self.att: _Attachment | None = None
+        if read_block is not None:   # weights come from the reader: drop what the modules hold
+            for st in self.states:
+                st.binding.bind(st.layout.placeholders(torch.device("cpu")))
 
     # ----- sizes ---------------------------------------------------------------------
     @property

@@ -1,0 +1,66 @@
+"""Where each block's bytes are in the safetensors file, and reading them into a buffer.
+
+Maps every tensor of an engine block layout to its file key and byte range, checks the
+file against the model ComfyUI built (missing keys, shapes), and reads a block with the
+BlockReader's positioned reads straight into the destination buffer. A tensor whose
+file dtype differs from the dtype ComfyUI chose for the module is read into a small
+temporary buffer and cast, exactly as ComfyUI's load_state_dict copy would.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..swap.layout import BlockLayout
+from .block_reader import BlockReader
+from .safetensors_index import SafetensorsIndex
+
+
+class BlockSource:
+    def __init__(self, index: SafetensorsIndex, reader: BlockReader, layouts: list[BlockLayout],
+                 block_keys: list[str]):
+        """`block_keys[i]` is the file key prefix of engine block i, e.g. "blocks.7."."""
+        self.index = index
+        self.reader = reader
+        self.direct: list[list[tuple[int, int, int]]] = []
+        self.cast: list[list[tuple]] = []
+        for layout, key_prefix in zip(layouts, block_keys):
+            direct, cast = [], []
+            for e in layout.entries:
+                key = key_prefix + (f"{e.path}.{e.name}" if e.path else e.name)
+                info = index.tensors.get(key)
+                if info is None:
+                    raise ValueError(f"RingSwap: {index.path}: missing tensor '{key}' "
+                                     f"(the model expects shape {list(e.shape)}, {e.dtype})")
+                if tuple(info.shape) != tuple(e.shape):
+                    raise ValueError(f"RingSwap: {index.path}: tensor '{key}' has shape {list(info.shape)}, "
+                                     f"the model expects {list(e.shape)}")
+                if info.dtype == e.dtype:
+                    direct.append((info.start, info.nbytes, e.offset))
+                else:
+                    cast.append((info, e))
+            self.direct.append(direct)
+            self.cast.append(cast)
+        self._cast_pool = ThreadPoolExecutor(1, thread_name_prefix="ringswap-cast") \
+            if any(self.cast) else None
+
+    def read(self, block: int, dest: torch.Tensor) -> Future:
+        """Fill `dest` (uint8, the block's layout) from the file; a Future of bytes read."""
+        if not self.cast[block]:
+            return self.reader.read_into(dest, self.direct[block])
+        return self._cast_pool.submit(self._read_with_casts, block, dest)
+
+    def _read_with_casts(self, block: int, dest: torch.Tensor) -> int:
+        n = self.reader.read_into(dest, self.direct[block]).result() if self.direct[block] else 0
+        for info, e in self.cast[block]:
+            tmp = torch.empty(info.nbytes, dtype=torch.uint8)
+            n += self.reader.read_into(tmp, [(info.start, info.nbytes, 0)]).result()
+            dest[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(
+                tmp.view(info.dtype).view(info.shape))
+        return n
+
+    def close(self) -> None:
+        if self._cast_pool is not None:
+            self._cast_pool.shutdown(wait=True)
+        self.reader.close()

@@ -1,0 +1,57 @@
+"""Load a diffusion model for block streaming: skeleton from the header, blocks from the file.
+
+Nothing of the blocks is read here for home=disk; for home=ram every block is read once
+into its exact-size host buffer. Errors name the file and leave nothing loaded.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Callable
+
+import comfy.model_patcher
+
+from ..swap import BlockSwapEngine
+from ..swap.layout import BlockLayout
+from .block_reader import BlockReader
+from .block_source import BlockSource
+from .safetensors_index import SafetensorsIndex
+from .skeleton import build_skeleton
+from .swap_patcher import BLOCK_LIST_NAMES, SwapModelPatcher, SwapSettings, SwapState, find_block_lists
+
+log = logging.getLogger("ringswap.model_loader")
+
+
+def load_swapped_model(path: str, settings: SwapSettings, home: str = "ram", disk_workers: int = 4,
+                       progress: Callable[[int, int], None] | None = None) -> SwapModelPatcher:
+    index = SafetensorsIndex.open(path)
+    skeleton = build_skeleton(index, BLOCK_LIST_NAMES)
+    dm = skeleton.model.diffusion_model
+    lists = find_block_lists(dm)
+    if not lists:
+        raise ValueError(f"RingSwap: {path}: {type(dm).__name__} has no transformer block list "
+                         f"(one of: {', '.join(BLOCK_LIST_NAMES)}); it cannot be block-swapped")
+    blocks = [b for _, bl in lists for b in bl]
+    keys = [f"{skeleton.prefix}{name}.{j}." for name, bl in lists for j in range(len(bl))]
+    reader = BlockReader(path, workers=disk_workers)
+    engine = None
+    try:
+        source = BlockSource(index, reader, [BlockLayout.of(b) for b in blocks], keys)
+        engine = BlockSwapEngine(blocks, read_block=source.read, home=home, disk_workers=disk_workers)
+        weakref.finalize(dm, source.close)
+        SwapState.install(dm, engine)
+        patcher = comfy.model_patcher.ModelPatcher(skeleton.model, load_device=skeleton.load_device,
+                                                   offload_device=skeleton.offload_device)
+        if home == "ram":
+            t0 = time.perf_counter()
+            nbytes = engine.fill_home(progress)
+            dt = max(time.perf_counter() - t0, 1e-9)
+            log.info("RingSwap: read %.2f GB of %d blocks from %s into RAM in %.1f s (%.2f GB/s)",
+                     nbytes / 1e9, len(blocks), path, dt, nbytes / dt / 1e9)
+        return SwapModelPatcher.wrap(patcher, settings)
+    except BaseException:
+        if engine is not None:
+            engine.release_home()
+        reader.close()
+        raise

@@ -1,0 +1,237 @@
+"""Index of a .safetensors file: its header parsed and strictly checked, no tensor data read.
+
+Written ourselves (not the `safetensors` library) because we need each tensor's absolute
+file byte range for positioned reads, and strict validation with messages naming the
+file, the tensor and what was expected.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+_DTYPE_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+}
+# Only the dtypes this torch has. Sub-byte types (F4, F6_*) are not mapped: their shape
+# counts elements, not bytes, and torch has no 1:1 dtype for them.
+DTYPES: dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _DTYPE_NAMES.items()
+                                  if hasattr(torch, v)}
+
+
+class SafetensorsError(ValueError):
+    """A .safetensors file is unreadable or its header is inconsistent."""
+
+
+class MissingTensorError(SafetensorsError, KeyError):
+    """A tensor key that the file does not hold."""
+    __str__ = SafetensorsError.__str__
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute file offset of the first byte
+    end: int    # absolute file offset one past the last byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _no_duplicates(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r}")
+    return d
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+class SafetensorsIndex:
+    def __init__(self, path: str, tensors: dict[str, TensorInfo], metadata: dict[str, str],
+                 data_start: int, file_size: int):
+        self.path = path
+        self.tensors = tensors
+        self.metadata = metadata
+        self.data_start = data_start
+        self.file_size = file_size
+
+    @classmethod
+    def open(cls, path: str) -> "SafetensorsIndex":
+        path = os.fspath(path)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < 8:
+                    raise SafetensorsError(f"{path}: file is {size} bytes, smaller than the 8-byte "
+                                           "header length of a .safetensors file (empty or truncated?)")
+                (hlen,) = struct.unpack("<Q", f.read(8))
+                if hlen > MAX_HEADER_BYTES:
+                    raise SafetensorsError(f"{path}: header length field says {hlen} bytes (limit "
+                                           f"{MAX_HEADER_BYTES}); not a .safetensors file?")
+                if 8 + hlen > size:
+                    raise SafetensorsError(f"{path}: header length field says {hlen} bytes but the file "
+                                           f"has only {size - 8} bytes after it (truncated file, or "
+                                           "not a .safetensors file?)")
+                raw = f.read(hlen)
+        except OSError as e:
+            raise SafetensorsError(f"{path}: cannot read the header: {e.strerror or e}") from e
+        if len(raw) != hlen:
+            raise SafetensorsError(f"{path}: header ended after {len(raw)} of {hlen} bytes "
+                                   "(file changed while reading?)")
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except UnicodeDecodeError as e:
+            raise SafetensorsError(f"{path}: header is not valid UTF-8 ({e}); "
+                                   "not a .safetensors file?") from None
+        except ValueError as e:
+            raise SafetensorsError(f"{path}: header is not valid JSON ({e}); "
+                                   "not a .safetensors file?") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{path}: header is a JSON {type(header).__name__}, "
+                                   "expected a JSON object of tensor entries")
+        data_start = 8 + hlen
+        return cls(path, *cls._parse(path, header, data_start, size - data_start), data_start, size)
+
+    @staticmethod
+    def _parse(path: str, header: dict, data_start: int, data_size: int) -> tuple[dict, dict]:
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise SafetensorsError(f"{path}: __metadata__ must be a JSON object of string to string")
+        entries = []
+        for name, e in header.items():
+            where = f"{path}: tensor {name!r}"
+            if not isinstance(e, dict):
+                raise SafetensorsError(f"{where}: entry is a JSON {type(e).__name__}, expected an "
+                                       "object with dtype, shape, data_offsets")
+            for field in ("dtype", "shape", "data_offsets"):
+                if field not in e:
+                    raise SafetensorsError(f"{where}: entry has no {field!r} (expected dtype, shape, "
+                                           "data_offsets)")
+            dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+            if not isinstance(dt, str):
+                raise SafetensorsError(f"{where}: dtype is {dt!r}, expected a string")
+            if dt not in DTYPES:
+                raise SafetensorsError(f"{where}: unknown dtype {dt!r} (known: {' '.join(DTYPES)})")
+            if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+                raise SafetensorsError(f"{where}: shape is {shape!r}, expected a list of "
+                                       "non-negative integers")
+            if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
+                    and offs[0] <= offs[1]):
+                raise SafetensorsError(f"{where}: data_offsets is {offs!r}, expected "
+                                       "[begin, end] with 0 <= begin <= end")
+            dtype = DTYPES[dt]
+            numel = 1
+            for d in shape:
+                numel *= d
+            want = numel * dtype.itemsize
+            if offs[1] - offs[0] != want:
+                raise SafetensorsError(f"{where}: data_offsets {offs} span {offs[1] - offs[0]} bytes, "
+                                       f"expected {want} for {dt} {shape}")
+            if offs[1] > data_size:
+                raise SafetensorsError(f"{where} ends at byte {offs[1]} of the data but the file "
+                                       f"holds only {data_size} data bytes (truncated file?)")
+            entries.append((offs[0], offs[1], name, dtype, tuple(shape)))
+        entries.sort(key=lambda t: (t[0], t[1]))
+        prev = None
+        for b, e, name, _, _ in entries:
+            if b == e:
+                continue
+            if prev is not None and b < prev[1]:
+                raise SafetensorsError(f"{path}: tensor {name!r} (data bytes {b}..{e}) overlaps tensor "
+                                       f"{prev[2]!r} (data bytes {prev[0]}..{prev[1]}); expected "
+                                       "disjoint data_offsets (corrupt header)")
+            prev = (b, e, name)
+        tensors = {name: TensorInfo(name, dtype, shape, data_start + b, data_start + e)
+                   for b, e, name, dtype, shape in entries}
+        return tensors, metadata
+
+    def keys(self) -> Iterable[str]:
+        return self.tensors.keys()
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        info = self.tensors.get(name)
+        if info is None:
+            raise MissingTensorError(f"{self.path}: no tensor {name!r} in the file "
+                                     f"({len(self.tensors)} tensors)")
+        return info
+
+    def group(self, pattern: str) -> dict[str, list[TensorInfo]]:
+        """Group keys by the first capture group of regex `pattern` (re.match on the key);
+        a pattern without a group is taken as a literal prefix and gives one group."""
+        rx = re.compile(pattern if re.compile(pattern).groups else "(" + re.escape(pattern) + ")")
+        out: dict[str, list[TensorInfo]] = {}
+        for name, info in self.tensors.items():
+            m = rx.match(name)
+            if m:
+                out.setdefault(m.group(1), []).append(info)
+        return out
+
+    def blocks_by_index(self, prefix: str = "blocks.") -> dict[int, list[TensorInfo]]:
+        """Keys "<prefix><N>.<rest>" grouped by N (ascending), each list in file order."""
+        groups = self.group(re.escape(prefix) + r"(\d+)\.")
+        return {int(k): groups[k] for k in sorted(groups, key=int)}
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """One tensor as a CPU tensor, reading just its bytes (for small, non-block tensors)."""
+        return self.read_tensors([name])[name]
+
+    def read_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        infos = [self[n] for n in names]
+        out: dict[str, torch.Tensor] = {}
+        if not infos:
+            return out
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise SafetensorsError(f"{self.path}: cannot open: {e.strerror or e}") from e
+        try:
+            for info in infos:
+                buf = bytearray(info.nbytes)
+                got = 0
+                while got < info.nbytes:
+                    try:
+                        chunk = os.pread(fd, info.nbytes - got, info.start + got)
+                    except OSError as e:
+                        raise SafetensorsError(f"{self.path}: tensor {info.name!r}: read of {info.nbytes} "
+                                               f"bytes at offset {info.start} failed: "
+                                               f"{e.strerror or e}") from e
+                    if not chunk:
+                        raise SafetensorsError(f"{self.path}: tensor {info.name!r}: file ended after "
+                                               f"{got} of {info.nbytes} bytes at offset {info.start} "
+                                               "(truncated or replaced after it was indexed?)")
+                    buf[got:got + len(chunk)] = chunk
+                    got += len(chunk)
+                if info.nbytes:
+                    t = torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype)
+                else:
+                    t = torch.empty(0, dtype=info.dtype)
+                out[info.name] = t.reshape(info.shape)
+        finally:
+            os.close(fd)
+        return out

@@ -1,0 +1,103 @@
+"""Build a ComfyUI diffusion model from a safetensors header without reading its blocks.
+
+ComfyUI's own detection (`comfy.model_detection`) runs on a state dict in which the big
+block tensors are meta tensors (shape and dtype from the header) and everything small is
+real; ComfyUI's model class is then instantiated (its uninitialised `torch.empty`
+weights cost no RAM until touched; the swap engine replaces the block ones with
+placeholders before anything touches them), the non-block weights are loaded normally
+and the block weights are left to the engine. The dtype choice mirrors
+`comfy.sd.load_diffusion_model_state_dict`, so the model equals the stock loader's.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import comfy.model_detection
+import comfy.model_management
+import comfy.utils
+
+from .safetensors_index import SafetensorsIndex
+
+log = logging.getLogger("ringswap.skeleton")
+
+SMALL_BYTES = 64 * 1024   # block tensors at most this big are read for detection (scales, comfy_quant)
+
+
+@dataclass
+class Skeleton:
+    model: object             # comfy.model_base.BaseModel, block weights not loaded
+    model_config: object
+    prefix: str               # key prefix of the diffusion model in the file ("" or "model.diffusion_model.")
+    load_device: torch.device
+    offload_device: torch.device
+
+
+def _is_block_key(key: str, prefix: str, list_names: tuple[str, ...]) -> bool:
+    rest = key[len(prefix):] if key.startswith(prefix) else key
+    head, _, tail = rest.partition(".")
+    return head in list_names and tail.split(".", 1)[0].isdigit()
+
+
+def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
+                   model_options: dict | None = None) -> Skeleton:
+    model_options = model_options or {}
+    path = index.path
+    small = [n for n, t in index.tensors.items()
+             if not _is_block_key(n, "", list_names) and not _is_block_key(n, "model.diffusion_model.", list_names)
+             or t.nbytes <= SMALL_BYTES]
+    real = index.read_tensors(small)
+    sd = {n: real[n] if n in real else torch.empty(t.shape, dtype=t.dtype, device="meta")
+          for n, t in index.tensors.items()}
+
+    prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
+    stripped = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True)
+    if stripped:
+        sd = stripped
+    else:
+        prefix = ""
+    parameters = comfy.utils.calculate_parameters(sd)
+    weight_dtype = comfy.utils.weight_dtype(sd)
+    load_device = comfy.model_management.get_torch_device()
+    kwargs = {}
+    if "metadata" in inspect.signature(comfy.model_detection.model_config_from_unet).parameters:
+        kwargs["metadata"] = index.metadata
+    model_config = comfy.model_detection.model_config_from_unet(sd, "", **kwargs)
+    if model_config is None:
+        raise ValueError(f"RingSwap: {path}: ComfyUI does not recognise this diffusion model "
+                         f"(no known architecture matches its {len(sd)} tensors)")
+
+    offload_device = comfy.model_management.unet_offload_device()
+    unet_weight_dtype = list(model_config.supported_inference_dtypes)
+    if getattr(model_config, "scaled_fp8", None) is not None:
+        weight_dtype = None
+    dtype = model_options.get("dtype", None)
+    if dtype is None:
+        unet_dtype = comfy.model_management.unet_dtype(model_params=parameters, supported_dtypes=unet_weight_dtype,
+                                                       weight_dtype=weight_dtype)
+    else:
+        unet_dtype = dtype
+    if getattr(model_config, "layer_quant_config", None) is not None:
+        manual_cast_dtype = comfy.model_management.unet_manual_cast(None, load_device,
+                                                                    model_config.supported_inference_dtypes)
+    else:
+        manual_cast_dtype = comfy.model_management.unet_manual_cast(unet_dtype, load_device,
+                                                                    model_config.supported_inference_dtypes)
+    model_config.set_inference_dtype(unet_dtype, manual_cast_dtype)
+    model_config.custom_operations = model_options.get("custom_operations", model_config.custom_operations)
+    if model_options.get("fp8_optimizations", False):
+        model_config.optimizations["fp8"] = True
+
+    model = model_config.get_model(sd, "")
+    dm = model.diffusion_model
+    model = model.to(offload_device)
+    nonblock = {n: t for n, t in sd.items() if not _is_block_key(n, "", list_names)}
+    nonblock = model_config.process_unet_state_dict(nonblock)
+    missing, unexpected = dm.load_state_dict(nonblock, strict=False)
+    missing = [k for k in missing if not _is_block_key(k, "", list_names)]
+    if missing:
+        log.warning("RingSwap: %s: missing non-block weights: %s", path, missing)
+    return Skeleton(model, model_config, prefix, load_device, offload_device)

@@ -1,0 +1,43 @@
+"""RingSwap Model Loader: a diffusion model whose blocks stream from RAM or from the file."""
+from __future__ import annotations
+
+import folder_paths
+
+import comfy.utils
+
+from ..loaders.model_loader import load_swapped_model
+from ..loaders.swap_patcher import SwapSettings
+from ..swap import PIN_MODES
+from .patch import PIN_TIP, PREFETCH_TIP, WINDOW_TIP
+
+HOME_TIP = ("Where blocks that are not on the GPU live. ram: read once into (pinned) host RAM at load, "
+            "then streamed to the GPU; needs RAM for the whole model. disk: read from the file ahead "
+            "of need on every step; host RAM stays at a few blocks, speed is bound by the disk.")
+WORKERS_TIP = "Reader threads for the file (positioned reads, one file handle each)."
+
+
+class RingSwapModelLoader:
+    CATEGORY = "RingSwap"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+    DESCRIPTION = ("Loads a diffusion model (Wan first) from diffusion_models for block swapping: only "
+                   "`window` blocks live on the GPU, the others stream from RAM or straight from the file.")
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "unet_name": (folder_paths.get_filename_list("diffusion_models"),
+                          {"tooltip": "A .safetensors diffusion model (bf16, fp16, fp32, fp8, scaled fp8)."}),
+            "window": ("INT", {"default": 0, "min": 0, "max": 1000, "tooltip": WINDOW_TIP}),
+            "prefetch": ("INT", {"default": 1, "min": 0, "max": 8, "tooltip": PREFETCH_TIP}),
+            "home": (["ram", "disk"], {"default": "ram", "tooltip": HOME_TIP}),
+            "pin_memory": (list(PIN_MODES), {"default": "auto", "tooltip": PIN_TIP}),
+            "disk_workers": ("INT", {"default": 4, "min": 1, "max": 16, "tooltip": WORKERS_TIP}),
+        }}
+
+    def load(self, unet_name: str, window: int, prefetch: int, home: str, pin_memory: str, disk_workers: int):
+        path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
+        settings = SwapSettings(window, prefetch, pin_memory)
+        bar = comfy.utils.ProgressBar(100)
+        progress = lambda done, total: bar.update_absolute(int(100 * done / max(total, 1)), 100)  # noqa: E731
+        return (load_swapped_model(path, settings, home, disk_workers, progress),)
