@@ -4,7 +4,9 @@ Maps every tensor of an engine block layout to its file key and byte range, chec
 file against the model ComfyUI built (missing keys, shapes), and reads a block with the
 BlockReader's positioned reads straight into the destination buffer. A tensor whose
 file dtype differs from the dtype ComfyUI chose for the module is read into a small
-temporary buffer and cast, exactly as ComfyUI's load_state_dict copy would.
+temporary buffer and cast, exactly as ComfyUI's load_state_dict copy would. A scalar
+the file lacks (e.g. scaled-fp8 `scale_input`) keeps the value ComfyUI's op gave it,
+as with ComfyUI's non-strict loading; any other missing tensor is an error.
 """
 from __future__ import annotations
 
@@ -12,24 +14,33 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..swap.layout import BlockLayout
+from torch import nn
+
+from ..swap.layout import BlockBinding, BlockLayout
 from .block_reader import BlockReader
 from .safetensors_index import SafetensorsIndex
 
 
 class BlockSource:
-    def __init__(self, index: SafetensorsIndex, reader: BlockReader, layouts: list[BlockLayout],
+    def __init__(self, index: SafetensorsIndex, reader: BlockReader, blocks: list[nn.Module],
                  block_keys: list[str]):
-        """`block_keys[i]` is the file key prefix of engine block i, e.g. "blocks.7."."""
+        """`block_keys[i]` is the file key prefix of block i, e.g. "blocks.7."; the blocks
+        must still hold ComfyUI's freshly built (unloaded) tensors."""
         self.index = index
         self.reader = reader
         self.direct: list[list[tuple[int, int, int]]] = []
         self.cast: list[list[tuple]] = []
-        for layout, key_prefix in zip(layouts, block_keys):
-            direct, cast = [], []
-            for e in layout.entries:
-                key = key_prefix + (f"{e.path}.{e.name}" if e.path else e.name)
+        self.constants: list[list[tuple]] = []
+        for block, key_prefix in zip(blocks, block_keys):
+            layout = BlockLayout.of(block)
+            initial = BlockBinding(block, layout).current()
+            direct, cast, constants = [], [], []
+            for e, value in zip(layout.entries, initial):
+                key = key_prefix + (f"{e.path}.{e.key}" if e.path else e.key)
                 info = index.tensors.get(key)
+                if info is None and value.numel() <= 1 and value.device.type != "meta":
+                    constants.append((value.detach().clone(), e))
+                    continue
                 if info is None:
                     raise ValueError(f"RingSwap: {index.path}: missing tensor '{key}' "
                                      f"(the model expects shape {list(e.shape)}, {e.dtype})")
@@ -42,11 +53,14 @@ class BlockSource:
                     cast.append((info, e))
             self.direct.append(direct)
             self.cast.append(cast)
+            self.constants.append(constants)
         self._cast_pool = ThreadPoolExecutor(1, thread_name_prefix="ringswap-cast") \
             if any(self.cast) else None
 
     def read(self, block: int, dest: torch.Tensor) -> Future:
         """Fill `dest` (uint8, the block's layout) from the file; a Future of bytes read."""
+        for value, e in self.constants[block]:
+            dest[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(value)
         if not self.cast[block]:
             return self.reader.read_into(dest, self.direct[block])
         return self._cast_pool.submit(self._read_with_casts, block, dest)

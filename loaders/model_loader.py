@@ -13,7 +13,6 @@ from typing import Callable
 import comfy.model_patcher
 
 from ..swap import BlockSwapEngine
-from ..swap.layout import BlockLayout
 from .block_reader import BlockReader
 from .block_source import BlockSource
 from .safetensors_index import SafetensorsIndex
@@ -37,7 +36,7 @@ def load_swapped_model(path: str, settings: SwapSettings, home: str = "ram", dis
     reader = BlockReader(path, workers=disk_workers)
     engine = None
     try:
-        source = BlockSource(index, reader, [BlockLayout.of(b) for b in blocks], keys)
+        source = BlockSource(index, reader, blocks, keys)
         engine = BlockSwapEngine(blocks, read_block=source.read, home=home, disk_workers=disk_workers)
         weakref.finalize(dm, source.close)
         SwapState.install(dm, engine)

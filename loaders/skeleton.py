@@ -20,6 +20,7 @@ import comfy.model_detection
 import comfy.model_management
 import comfy.utils
 
+from .quant import build_quantized_blocks, comfy_quant_layers, comfyui_reads_comfy_quant, declare_fp8_layers
 from .safetensors_index import SafetensorsIndex
 
 log = logging.getLogger("ringswap.skeleton")
@@ -59,12 +60,14 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
         sd = stripped
     else:
         prefix = ""
+    layers = {} if comfyui_reads_comfy_quant() else comfy_quant_layers(sd)
+    metadata = declare_fp8_layers(dict(index.metadata), layers)
     parameters = comfy.utils.calculate_parameters(sd)
     weight_dtype = comfy.utils.weight_dtype(sd)
     load_device = comfy.model_management.get_torch_device()
     kwargs = {}
     if "metadata" in inspect.signature(comfy.model_detection.model_config_from_unet).parameters:
-        kwargs["metadata"] = index.metadata
+        kwargs["metadata"] = metadata
     model_config = comfy.model_detection.model_config_from_unet(sd, "", **kwargs)
     if model_config is None:
         raise ValueError(f"RingSwap: {path}: ComfyUI does not recognise this diffusion model "
@@ -93,11 +96,31 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
 
     model = model_config.get_model(sd, "")
     dm = model.diffusion_model
+    block_modules = [(n, m) for n, m in dm.named_modules() if _is_block_key(n, "", list_names)]
+    build_quantized_blocks(block_modules, sd, layers, manual_cast_dtype or unet_dtype, path)
     model = model.to(offload_device)
     nonblock = {n: t for n, t in sd.items() if not _is_block_key(n, "", list_names)}
-    nonblock = model_config.process_unet_state_dict(nonblock)
-    missing, unexpected = dm.load_state_dict(nonblock, strict=False)
-    missing = [k for k in missing if not _is_block_key(k, "", list_names)]
+    missing = _load_nonblock(dm, model_config.process_unet_state_dict(nonblock), list_names)
     if missing:
         log.warning("RingSwap: %s: missing non-block weights: %s", path, missing)
     return Skeleton(model, model_config, prefix, load_device, offload_device)
+
+
+def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...]) -> list[str]:
+    """torch's load_state_dict recursion (so ComfyUI's ops see their full key prefixes),
+    skipping the block lists; returns the missing keys."""
+    missing: list[str] = []
+    unexpected: list[str] = []
+    errors: list[str] = []
+
+    def load(module, prefix):
+        module._load_from_state_dict(sd, prefix, {}, False, missing, unexpected, errors)
+        for name, child in module._modules.items():
+            if child is not None and not (module is dm and name in list_names):
+                load(child, prefix + name + ".")
+
+    with torch.no_grad():
+        load(dm, "")
+    if errors:
+        raise ValueError("RingSwap: loading non-block weights: " + "; ".join(errors))
+    return missing

@@ -3,11 +3,15 @@
 A block's parameters and buffers are packed into one contiguous uint8 buffer (each
 tensor 512-byte aligned, the CUDA allocator's alignment, so kernels see the same
 alignment as for normally allocated weights). One flat buffer per block means one copy
-per block on the wire. Blocks with the same structure share one `BlockLayout`.
+per block on the wire. A quantized weight (a tensor subclass holding packed data and
+scales) travels in its compact form: a registered `TensorCodec` splits it into its
+plain inner tensors and builds it again around the landed bytes. Blocks with the same
+structure share one `BlockLayout`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -19,11 +23,30 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+class TensorCodec(Protocol):
+    def split(self, t: torch.Tensor, name: str) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
+        """(spec, [(file attribute name, inner plain tensor), ...]) of the packed tensor
+        held by module attribute `name` (e.g. [("weight", data), ("weight_scale", s)])."""
+
+    def join(self, spec: Any, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The packed tensor around `parts` (same order as split)."""
+
+
+_CODECS: dict[type, TensorCodec] = {}
+
+
+def register_codec(cls: type, codec: TensorCodec) -> None:
+    _CODECS[cls] = codec
+
+
+def codec_for(t: torch.Tensor) -> TensorCodec | None:
+    return next((_CODECS[c] for c in type(t).__mro__ if c in _CODECS), None)
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     path: str          # submodule path inside the block ("" for the block itself)
-    name: str          # attribute name in that module
-    is_param: bool
+    key: str           # attribute name in the file (e.g. "weight", "weight_scale")
     shape: tuple[int, ...]
     dtype: torch.dtype
     offset: int
@@ -31,28 +54,45 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class AttrEntry:
+    """One module attribute: a plain tensor (one entry) or a packed one (several)."""
+    path: str
+    name: str
+    is_param: bool
+    entries: tuple[int, ...]                    # indices into BlockLayout.entries
+    codec: Any = None
+    spec: Any = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class BlockLayout:
     entries: tuple[TensorEntry, ...]
+    attrs: tuple[AttrEntry, ...]
     nbytes: int
 
     @classmethod
     def of(cls, block: nn.Module) -> "BlockLayout":
-        entries, offset = [], 0
+        entries, attrs, offset = [], [], 0
         for path, module in block.named_modules():
             tensors = [(n, t, True) for n, t in module._parameters.items() if t is not None]
             tensors += [(n, t, False) for n, t in module._buffers.items() if t is not None]
             for name, t, is_param in tensors:
-                nbytes = t.numel() * t.element_size()
-                entries.append(TensorEntry(path, name, is_param, tuple(t.shape), t.dtype, offset, nbytes))
-                offset += _align(nbytes)
-        return cls(tuple(entries), offset)
+                codec = codec_for(t)
+                spec, parts = codec.split(t, name) if codec else (None, [(name, t)])
+                first = len(entries)
+                for key, part in parts:
+                    nbytes = part.numel() * part.element_size()
+                    entries.append(TensorEntry(path, key, tuple(part.shape), part.dtype, offset, nbytes))
+                    offset += _align(nbytes)
+                attrs.append(AttrEntry(path, name, is_param, tuple(range(first, len(entries))), codec, spec))
+        return cls(tuple(entries), tuple(attrs), offset)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Typed tensor views of `flat` (uint8), one per entry."""
         return [flat[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in self.entries]
 
     def pack(self, tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-        """Copy `tensors` (any device) into `flat` at this layout's offsets."""
+        """Copy `tensors` (one per entry, any device) into `flat` at this layout's offsets."""
         for view, t in zip(self.views(flat), tensors):
             view.copy_(t)
 
@@ -66,15 +106,29 @@ class BlockBinding:
 
     def __init__(self, block: nn.Module, layout: BlockLayout):
         modules = dict(block.named_modules())
-        self.targets = [(modules[e.path], e.name, e.is_param) for e in layout.entries]
+        self.layout = layout
+        self.targets = [(modules[a.path], a) for a in layout.attrs]
 
     def current(self) -> list[torch.Tensor]:
-        return [(m._parameters if p else m._buffers)[n].data for m, n, p in self.targets]
+        """The block's tensors, one per layout entry (packed ones split)."""
+        out = []
+        for module, a in self.targets:
+            t = (module._parameters if a.is_param else module._buffers)[a.name]
+            out += [p for _, p in a.codec.split(t, a.name)[1]] if a.codec else [t.data]
+        return out
 
     def bind(self, tensors: list[torch.Tensor]) -> None:
         """Point the block's parameters and buffers at `tensors` (no copy)."""
-        for (module, name, is_param), t in zip(self.targets, tensors):
-            if is_param:
-                module._parameters[name].data = t
+        for module, a in self.targets:
+            if a.codec is None:
+                t = tensors[a.entries[0]]
+                if a.is_param:
+                    module._parameters[a.name].data = t
+                else:
+                    module._buffers[a.name] = t
+                continue
+            t = a.codec.join(a.spec, [tensors[i] for i in a.entries])
+            if a.is_param:
+                module._parameters[a.name] = nn.Parameter(t, requires_grad=False)
             else:
-                module._buffers[name] = t
+                module._buffers[a.name] = t
