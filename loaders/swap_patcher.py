@@ -63,6 +63,8 @@ class SwapState:
                 f"(looked for a non-empty ModuleList named one of: {', '.join(BLOCK_LIST_NAMES)}); "
                 "this model cannot be block-swapped")
         self.list_names = [n for n, _ in lists]
+        # ComfyUI's weight-key prefix of each engine block, e.g. "diffusion_model.blocks.7."
+        self.block_keys = [f"diffusion_model.{n}.{j}." for n, blocks in lists for j in range(len(blocks))]
         self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
         self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
         self.nonblock_bytes = sum(
@@ -150,7 +152,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         engine = self.swap_engine
         window = self._window(lowvram_model_memory, full_load)
         plan = engine.attach(device, window, self.ringswap.prefetch, self.ringswap.pin_memory,
-                             owner=weakref.ref(self))
+                             owner=weakref.ref(self), on_land=self._block_folder())
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:
@@ -164,6 +166,18 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
                  "%.2f GB of blocks on the device, %.2f GB at home",
                  engine.num_blocks, device, window, self.ringswap.prefetch, plan.describe(),
                  engine.memory, engine.device_bytes() / 1e9, engine.pool.nbytes / 1e9)
+
+    def _block_folder(self):
+        """The LoRA fold to run on each block as it lands (None without block patches).
+        Cached per patches_uuid, so re-attaching with unchanged patches keeps the ring."""
+        if not self.patches:
+            return None
+        from ..lora.fold import block_folder
+        cached = self.__dict__.get("_ringswap_folder")
+        if cached is None or cached[0] != self.patches_uuid:
+            cached = (self.patches_uuid, block_folder(self))
+            self.__dict__["_ringswap_folder"] = cached
+        return cached[1]
 
     def model_size(self):
         state = self.swap_state

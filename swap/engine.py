@@ -57,6 +57,7 @@ class _Attachment:
         self.ring: SlotRing | None = None
         self.readahead: ReadAhead | None = None
         self.hooks: BlockHooks | None = None
+        self.on_land = None
         self.order = {b: j for j, b in enumerate(plan.streamed)}
         self.stats = self.new_stats()
 
@@ -176,9 +177,13 @@ class BlockSwapEngine:
 
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, window: int, prefetch: int,
-               pin_memory: str = "auto", owner: object = None) -> ResidencyPlan:
+               pin_memory: str = "auto", owner: object = None,
+               on_land: Callable[[int, list[torch.Tensor]], None] | None = None) -> ResidencyPlan:
         """Place resident blocks on `device`, hook the streamed ones and prime the ring.
-        Attaching again with the same settings keeps everything and only takes `owner`."""
+        `on_land(block, tensors)` runs on the compute stream right after a block's weights
+        land on the device and before it computes (e.g. to fold LoRA deltas in place);
+        the host copy is never touched. Attaching again with the same settings keeps
+        everything and only takes `owner`."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -186,13 +191,15 @@ class BlockSwapEngine:
             raise ValueError(f"pin_memory must be one of {PIN_MODES}, got {pin_memory!r}")
         plan = ResidencyPlan.make(self.num_blocks, window, prefetch)
         if self.att is not None:
-            if (self.att.device, self.att.plan, self.att.pin_memory) == (device, plan, pin_memory):
+            if (self.att.device, self.att.plan, self.att.pin_memory, self.att.on_land) == \
+                    (device, plan, pin_memory, on_land):
                 self.att.owner = owner
                 return plan
             self.detach()
         self._ensure_home()
         memory = self._choose_memory(device, plan, pin_memory)
         att = _Attachment(device, plan, memory, pin_memory, owner)
+        att.on_land = on_land
         try:
             if self.home == "disk":
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
@@ -221,7 +228,10 @@ class BlockSwapEngine:
             self.att = att
             for i in plan.streamed[:plan.ring_slots]:
                 self._issue(i, att.ring.victim([]))
-            att.copier.take_times()   # resident placement is loading, not a run's copies
+            att.copier.take_times()  # resident placement is loading, not a run's copies
+            if on_land is not None:
+                for i in plan.resident:
+                    on_land(i, self.states[i].binding.current())
             att.stats = att.new_stats()
         except BaseException:
             self.att = att
@@ -288,6 +298,7 @@ class BlockSwapEngine:
         att = self.att
         s = self.states[block]
         slot.owner = block
+        slot.landed = False
         att.stats.copies += 1
         att.stats.bytes_copied += s.layout.nbytes
         if att.readahead is not None:
@@ -350,7 +361,11 @@ class BlockSwapEngine:
         att.copier.compute_wait(slot.ready)
         s = self.states[block]
         s.slot = slot
-        s.binding.bind(slot.views(s.layout))
+        views = slot.views(s.layout)
+        if att.on_land is not None and not slot.landed:
+            att.copier.timed_compute(att.on_land, block, views)
+        slot.landed = True
+        s.binding.bind(views)
         att.stats.forwards += 1
 
     def _after_block(self, block: int) -> None:
@@ -381,7 +396,7 @@ class BlockSwapEngine:
                 s.binding.bind(s.placeholders)
                 s.slot = None
         stats = att.stats
-        stats.copy_s, stats.wait_s = att.copier.take_times()
+        stats.copy_s, stats.wait_s, stats.land_s = att.copier.take_times()
         att.stats = att.new_stats()
         if stats.streamed:
             log.info(stats.line())

@@ -20,6 +20,7 @@ class RunStats:
     forwards: int = 0      # streamed-block forwards
     bytes_read: int = 0    # home=disk: bytes read from the file
     read_wait_s: float = 0.0   # home=disk: time the block loop waited for reads
+    land_s: float = 0.0    # device time of on-land work (LoRA folds) on streamed blocks
 
     @property
     def hidden_s(self) -> float:
@@ -36,5 +37,7 @@ class RunStats:
                 f"copied {self.bytes_copied / 1e9:.2f} GB in {self.copies} copies at {self.gbps:.1f} GB/s; "
                 f"copy time {self.copy_s * 1e3:.0f} ms, {self.hidden_s * 1e3:.0f} ms hidden under compute "
                 f"({hidden:.0f}%), compute waited {self.wait_s * 1e3:.0f} ms"
+                + (f"; LoRA fold {1e3 * self.land_s / self.forwards:.2f} ms per block"
+                   if self.land_s and self.forwards else "")
                 + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
                    "for reads" if self.memory == "disk" else ""))

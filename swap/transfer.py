@@ -20,6 +20,7 @@ class CopyStream:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._copies: list[tuple] = []   # (start, end) events, or seconds on CPU
         self._waits: list[tuple] = []
+        self._lands: list[tuple] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None"):
         """Copy src into dst once `after` has happened; returns the event of completion."""
@@ -49,6 +50,20 @@ class CopyStream:
         after.record(stream)
         self._waits.append((before, after))
 
+    def timed_compute(self, fn, *args) -> None:
+        """Run `fn(*args)` (work on the compute stream) and measure its device time."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn(*args)
+            self._lands.append((time.perf_counter() - t0,))
+            return
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        fn(*args)
+        end.record(stream)
+        self._lands.append((start, end))
+
     def record_compute(self) -> "torch.cuda.Event | None":
         """An event marking the end of the compute enqueued so far."""
         if not self.cuda:
@@ -62,9 +77,10 @@ class CopyStream:
             self.stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
-    def take_times(self) -> tuple[float, float]:
-        """Seconds spent copying and seconds compute waited for copies, since last call.
-        Synchronises the device (once per run, outside the block loop)."""
+    def take_times(self) -> tuple[float, float, float]:
+        """Seconds spent copying, seconds compute waited for copies, and seconds of
+        on-land work (LoRA folds) since the last call. Synchronises the device (once
+        per run, outside the block loop)."""
         self.synchronize()
 
         def total(pairs):
@@ -72,6 +88,8 @@ class CopyStream:
 
         copy_s = total(self._copies)
         wait_s = total(self._waits) if self.cuda else copy_s
+        land_s = total(self._lands)
         self._copies.clear()
         self._waits.clear()
-        return copy_s, wait_s
+        self._lands.clear()
+        return copy_s, wait_s, land_s

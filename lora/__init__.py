@@ -1,0 +1,1 @@
+"""LoRA for block-swapped models: ComfyUI's patches folded into each block on the device."""
