@@ -94,11 +94,10 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
     if model_options.get("fp8_optimizations", False):
         model_config.optimizations["fp8"] = True
 
-    model = model_config.get_model(sd, "")
+    model = model_config.get_model(sd, "").to(offload_device)   # a no-op move: nothing is loaded yet
     dm = model.diffusion_model
     block_modules = [(n, m) for n, m in dm.named_modules() if _is_block_key(n, "", list_names)]
     build_quantized_blocks(block_modules, sd, layers, manual_cast_dtype or unet_dtype, path)
-    model = model.to(offload_device)
     nonblock = {n: t for n, t in sd.items() if not _is_block_key(n, "", list_names)}
     missing = _load_nonblock(dm, model_config.process_unet_state_dict(nonblock), list_names)
     if missing:

@@ -22,7 +22,7 @@ def files(tmp_path_factory):
     out = {}
     for fmt in STOCK_HANDLES + REFERENCE_ONLY:
         p = str(d / f"{fmt}.safetensors")
-        write_quant_wan(p, fmt, dim=128, num_layers=4, ffn_dim=256)
+        write_quant_wan(p, fmt, dim=256, num_layers=4, ffn_dim=1024)   # big enough for meta tensors
         out[fmt] = p
     return out
 
