@@ -59,7 +59,10 @@ def test_equals_dequantize_then_linear_reference(files, fmt, tmp_path):
     for k in range(2):
         assert torch.equal(outs["ram"][k], outs["disk"][k])
         err = ((outs["ram"][k] - ref[k]).norm() / ref[k].norm()).item()
-        assert err <= 1e-5, f"{fmt}: relative error {err:.2e} against dequantize-then-linear"
+        # fp32 compute on the CPU: the same function up to summation order. On CUDA ComfyUI
+        # computes in half precision and the two models round at different places.
+        tol = 1e-5 if ref[k].device.type == "cpu" else 5e-3
+        assert err <= tol, f"{fmt}: relative error {err:.2e} against dequantize-then-linear"
 
 
 def test_quantized_blocks_stay_compact(files):
