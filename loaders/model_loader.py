@@ -24,6 +24,14 @@ log = logging.getLogger("ringswap.model_loader")
 
 def load_swapped_model(path: str, settings: SwapSettings, home: str = "ram", disk_workers: int = 4,
                        progress: Callable[[int, int], None] | None = None) -> SwapModelPatcher:
+    """A block-swapping MODEL of the file at `path`."""
+    return SwapModelPatcher.wrap(load_swapped_base(path, home, disk_workers, progress), settings)
+
+
+def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
+                      progress: Callable[[int, int], None] | None = None) -> comfy.model_patcher.ModelPatcher:
+    """The plain ModelPatcher of the file, with its swap engine installed; wrap it with
+    SwapModelPatcher.wrap for each set of swap settings (no re-read)."""
     index = SafetensorsIndex.open(path)
     skeleton = build_skeleton(index, BLOCK_LIST_NAMES)
     dm = skeleton.model.diffusion_model
@@ -48,7 +56,7 @@ def load_swapped_model(path: str, settings: SwapSettings, home: str = "ram", dis
             dt = max(time.perf_counter() - t0, 1e-9)
             log.info("RingSwap: read %.2f GB of %d blocks from %s into RAM in %.1f s (%.2f GB/s)",
                      nbytes / 1e9, len(blocks), path, dt, nbytes / dt / 1e9)
-        return SwapModelPatcher.wrap(patcher, settings)
+        return patcher
     except BaseException:
         if engine is not None:
             engine.release_home()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import comfy.model_management
 import comfy.model_patcher
 
 from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
@@ -147,7 +149,20 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         fit = int(budget // engine.block_bytes()) - s.prefetch
         return max(1, min(engine.num_blocks, fit))
 
+    def _unload_other_rings(self) -> int:
+        """Unload every other block-swapped model (e.g. the other Wan 2.2 expert), so at
+        most one model's ring is on the GPU. Returns how many were unloaded."""
+        loaded = comfy.model_management.current_loaded_models
+        others = [lm for lm in loaded if isinstance(lm.model, SwapModelPatcher) and lm.model.model is not self.model
+                  and lm.model.swap_engine.att is not None]
+        for lm in others:
+            loaded.remove(lm)
+            lm.model_unload()
+        return len(others)
+
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, *args, **kwargs):
+        t0 = time.perf_counter()
+        switched = self._unload_other_rings()
         device = torch.device(device_to) if device_to is not None else self.load_device
         engine = self.swap_engine
         window = self._window(lowvram_model_memory, full_load)
@@ -163,9 +178,10 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
         log.info("RingSwap load: %d blocks on %s, window %d, prefetch %d: %s, %s memory; "
-                 "%.2f GB of blocks on the device, %.2f GB at home",
+                 "%.2f GB of blocks on the device, %.2f GB at home; %.2f s%s",
                  engine.num_blocks, device, window, self.ringswap.prefetch, plan.describe(),
-                 engine.memory, engine.device_bytes() / 1e9, engine.pool.nbytes / 1e9)
+                 engine.memory, engine.device_bytes() / 1e9, engine.pool.nbytes / 1e9,
+                 time.perf_counter() - t0, " (switched from another block-swapped model)" if switched else "")
 
     def _block_folder(self):
         """The LoRA fold to run on each block as it lands (None without block patches).
