@@ -1,0 +1,116 @@
+"""Living inside ComfyUI: Wan 2.2's two experts, node caching, many runs, torch.compile."""
+import gc
+import os
+
+import psutil
+import pytest
+import torch
+
+import comfy.model_management
+import folder_paths
+import nodes as comfy_nodes
+
+from ringswap.loaders.model_loader import load_swapped_model
+from ringswap.loaders.swap_patcher import SwapModelPatcher, SwapSettings
+from ringswap.nodes.model_loader import RingSwapModelLoader
+from ringswap.nodes.patch import RingSwapPatch
+from wan_model import conditioning, forward, inputs, latent, load_stock, tiny_wan
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("experts"))
+    return tiny_wan(d, blocks=4, seed=1), tiny_wan(d, blocks=4, seed=2)
+
+
+def two_expert_sample(high, low, steps=4, switch=2):
+    """Wan 2.2 style: the high-noise expert for the first steps, the low-noise one after."""
+    adv = comfy_nodes.KSamplerAdvanced()
+    (mid,) = adv.sample(high, "enable", 5, steps, 1.0, "euler", "simple", conditioning(1), conditioning(2),
+                        latent(), 0, switch, "enable")
+    (out,) = adv.sample(low, "disable", 5, steps, 1.0, "euler", "simple", conditioning(1), conditioning(2),
+                        mid, switch, 10000, "disable")
+    return out["samples"]
+
+
+def test_wan22_two_experts_one_ring_at_a_time(experts, caplog):
+    ref = two_expert_sample(load_stock(experts[0]), load_stock(experts[1]))
+    comfy.model_management.unload_all_models()
+    for home in ("ram", "disk"):
+        high = load_swapped_model(experts[0], SwapSettings(2, 1), home=home, disk_workers=2)
+        low = load_swapped_model(experts[1], SwapSettings(2, 1), home=home, disk_workers=2)
+        seen = []
+        for model in (high, low):
+            for s in model.swap_engine.states:
+                s.block.register_forward_pre_hook(
+                    lambda m, a: seen.append((high.swap_engine.att is not None) + (low.swap_engine.att is not None)))
+        with caplog.at_level("INFO", logger="ringswap"):
+            for _ in range(2):
+                assert torch.equal(two_expert_sample(high, low), ref), home
+        assert max(seen) == 1, "both experts' rings were on the device at once"
+        switches = [r for r in caplog.records if "switched from another block-swapped model" in r.getMessage()]
+        assert len(switches) >= 3
+        comfy.model_management.unload_all_models()
+        caplog.clear()
+
+
+def test_disk_home_two_experts_hold_one_staging_set(experts):
+    high = load_swapped_model(experts[0], SwapSettings(1, 1), home="disk", disk_workers=2)
+    low = load_swapped_model(experts[1], SwapSettings(1, 1), home="disk", disk_workers=2)
+    two_expert_sample(high, low)
+    attached = [m for m in (high, low) if m.swap_engine.att is not None]
+    assert len(attached) == 1 and attached[0] is low
+    assert high.swap_engine.pool.nbytes == low.swap_engine.pool.nbytes == 0   # no RAM home
+
+
+def test_loader_node_reuses_the_file_when_only_settings_change(experts, tmp_path):
+    d = tmp_path / "diffusion_models"
+    d.mkdir()
+    os.link(experts[0], d / "expert.safetensors")
+    folder_paths.add_model_folder_path("diffusion_models", str(d))
+    node = RingSwapModelLoader()
+    (a,) = node.load("expert.safetensors", 2, 1, "ram", "auto", 2)
+    reader = a.swap_engine.read_block.__self__.reader
+    read_once = reader.bytes_read
+    assert read_once > 0
+    (b,) = node.load("expert.safetensors", 3, 0, "ram", "off", 2)
+    assert b.model is a.model and reader.bytes_read == read_once, "the file was read again"
+    assert b.ringswap == SwapSettings(3, 0, "off")
+    assert torch.equal(forward(b, *inputs(seed=0)), forward(a, *inputs(seed=0)))
+    assert reader.bytes_read == read_once
+
+
+def test_no_growth_over_many_runs(experts):
+    proc = psutil.Process()
+    model = load_swapped_model(experts[0], SwapSettings(2, 1), home="ram", disk_workers=2)
+    other = RingSwapPatch().patch(load_stock(experts[1]), 2, 1, "auto")[0]
+    rss, pinned = [], []
+    for run in range(20):
+        comfy_nodes.KSampler().sample(model if run % 2 == 0 else other, run, 2, 1.0, "euler", "simple",
+                                      conditioning(1), conditioning(2), latent())
+        gc.collect()
+        rss.append(proc.memory_info().rss)
+        pinned.append(model.swap_engine.pool.pinned_bytes + other.swap_engine.pool.pinned_bytes)
+    assert max(rss[2:]) <= 1.02 * rss[1], [r // 2**20 for r in rss]
+    assert max(pinned[2:]) <= pinned[1]
+
+
+@pytest.mark.parametrize("keys", [["diffusion_model"], ["diffusion_model.blocks.0", "diffusion_model.blocks.2"]])
+def test_torch_compile_keeps_swapping(experts, keys, caplog):
+    """ComfyUI's own compile wrapper (as its TorchCompileModel node uses), on the whole
+    diffusion model or on single blocks: the hooks are opaque to dynamo, swapping goes on."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    model = load_swapped_model(experts[0], SwapSettings(2, 1), home="ram", disk_workers=2)
+    compiled = model.clone()
+    set_torch_compile_wrapper(model=compiled, backend="eager", keys=keys)
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="ringswap"):
+        (res,) = comfy_nodes.KSampler().sample(compiled, 3, 2, 1.0, "euler", "simple", conditioning(1),
+                                              conditioning(2), latent())
+    runs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap run:")]
+    assert len(runs) == 1 and " 0 copies" not in runs[0] and "3 streamed" in runs[0], runs
+    (plain,) = comfy_nodes.KSampler().sample(model, 3, 2, 1.0, "euler", "simple", conditioning(1),
+                                            conditioning(2), latent())
+    assert torch.allclose(res["samples"], plain["samples"], rtol=1e-5, atol=1e-5)
+    assert isinstance(compiled, SwapModelPatcher)
