@@ -114,3 +114,25 @@ def test_torch_compile_keeps_swapping(experts, keys, caplog):
                                             conditioning(2), latent())
     assert torch.allclose(res["samples"], plain["samples"], rtol=1e-5, atol=1e-5)
     assert isinstance(compiled, SwapModelPatcher)
+
+
+def test_comfyui_sees_true_memory_and_can_unload_us(experts):
+    model = load_swapped_model(experts[0], SwapSettings(2, 1), home="ram", disk_workers=2)
+    ref = forward(model, *inputs(seed=0))
+    engine, state = model.swap_engine, model.swap_state
+    used = state.nonblock_bytes + engine.device_bytes()
+    assert model.loaded_size() == model.model_size() == used
+    assert used < state.nonblock_bytes + engine.total_block_bytes()
+    (lm,) = [lm for lm in comfy.model_management.current_loaded_models if lm.model is model]
+    assert lm.model_offloaded_memory() == 0
+
+    # something else needs just the ring's memory: the ring goes, the model stays listed
+    assert lm.model_unload(memory_to_free=engine.device_bytes()) is False
+    assert engine.att is None and model.loaded_size() == state.nonblock_bytes
+    assert torch.equal(forward(model, *inputs(seed=0)), ref)      # restored on the next run
+    assert engine.att is not None
+
+    # everything is needed: ComfyUI unloads us completely
+    comfy.model_management.free_memory(1e30, comfy.model_management.get_torch_device())
+    assert engine.att is None and model.loaded_size() == 0
+    assert torch.equal(forward(model, *inputs(seed=0)), ref)

@@ -55,3 +55,27 @@ def test_workflow_latent_equals_unpatched(server):
     runs = [ln for ln in server.log_text().splitlines() if "RingSwap run:" in ln]
     assert len(runs) == 3
     assert "6 blocks (1 resident, 5 streamed, ring 2), window 2, prefetch 1" in runs[0]
+
+
+def test_interrupt_mid_sampling_then_next_run_matches(server):
+    import time
+
+    from support.comfy_server import ComfyServerError
+
+    def workflow(steps, seed, prefix):
+        return build_workflow(UNET, use_patch=True, window=2, prefetch=1, seed=seed, steps=steps,
+                              filename_prefix=prefix)
+
+    ref = latent_of(server, server.run(workflow(4, 9, "before"), timeout=300))
+    loads_before = server.log_text().count("RingSwap load:")
+    pid = server.queue(workflow(2000, 10, "interrupted"))
+    deadline = time.monotonic() + 120
+    while server.log_text().count("RingSwap load:") == loads_before:   # sampling has begun
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.3)
+    server.interrupt()
+    with pytest.raises(ComfyServerError, match="(?i)interrupt"):
+        server.wait(pid, timeout=120)
+    after = latent_of(server, server.run(workflow(4, 9, "after"), timeout=300))
+    assert torch.equal(after, ref)
