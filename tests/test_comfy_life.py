@@ -136,3 +136,17 @@ def test_comfyui_sees_true_memory_and_can_unload_us(experts):
     comfy.model_management.free_memory(1e30, comfy.model_management.get_torch_device())
     assert engine.att is None and model.loaded_size() == 0
     assert torch.equal(forward(model, *inputs(seed=0)), ref)
+
+
+def test_home_is_freed_with_the_model(experts):
+    import weakref
+
+    model = load_swapped_model(experts[0], SwapSettings(2, 1), home="ram", disk_workers=2)
+    forward(model, *inputs(seed=0))
+    home = weakref.ref(model.swap_engine.pool.blocks[0])
+    reader = model.swap_engine.read_block.__self__.reader
+    comfy.model_management.unload_all_models()
+    del model
+    gc.collect()
+    assert home() is None, "the host home outlived its model"
+    assert reader._closed, "the file handles outlived the model"
