@@ -65,6 +65,7 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
     parameters = comfy.utils.calculate_parameters(sd)
     weight_dtype = comfy.utils.weight_dtype(sd)
     load_device = comfy.model_management.get_torch_device()
+    _check_blocks_complete(sd, list_names, path)
     kwargs = {}
     if "metadata" in inspect.signature(comfy.model_detection.model_config_from_unet).parameters:
         kwargs["metadata"] = metadata
@@ -103,6 +104,28 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
     if missing:
         log.warning("RingSwap: %s: missing non-block weights: %s", path, missing)
     return Skeleton(model, model_config, prefix, load_device, offload_device)
+
+
+def _check_blocks_complete(sd: dict, list_names: tuple[str, ...], path: str) -> None:
+    """Every block of a list must have the same tensors (ComfyUI's detection reads block 0
+    and would fail with a bare KeyError; a gap elsewhere would load garbage)."""
+    blocks: dict[tuple[str, int], set[str]] = {}
+    for key in sd:
+        head, _, rest = key.partition(".")
+        index, _, suffix = rest.partition(".")
+        if head in list_names and index.isdigit():
+            blocks.setdefault((head, int(index)), set()).add(suffix)
+    for name in list_names:
+        found = sorted(i for n, i in blocks if n == name)
+        if not found:
+            continue
+        expected = set().union(*(blocks[(name, i)] for i in found))
+        for i in range(found[-1] + 1):
+            missing = sorted(expected - blocks.get((name, i), set()))
+            if missing:
+                raise ValueError(f"RingSwap: {path}: missing tensor '{name}.{i}.{missing[0]}'"
+                                 + (f" (and {len(missing) - 1} more in that block)" if len(missing) > 1 else "")
+                                 + f"; the other blocks have it")
 
 
 def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...]) -> list[str]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .hooks import BlockHooks
-from .host_pool import HostPool
+from .host_pool import HostPool, empty_bytes
 from .layout import BlockBinding, BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
@@ -206,7 +206,7 @@ class BlockSwapEngine:
                                           pin=device.type == "cuda" and pin_memory != "off")
             for i in plan.resident:
                 s = self.states[i]
-                s.device_buffer = torch.empty(s.layout.nbytes, dtype=torch.uint8, device=device)
+                s.device_buffer = empty_bytes(s.layout.nbytes, device)
                 if att.readahead is None:
                     att.copier.copy(s.device_buffer, self.pool.blocks[i].flat, None)
                 else:
@@ -279,8 +279,8 @@ class BlockSwapEngine:
                 s.slot = None
                 if s.index in self.pool.blocks:
                     s.binding.bind(self._home_views(s))
-                elif s.placeholders is not None:
-                    s.binding.bind([p.cpu() for p in s.placeholders])
+                else:   # home=disk: the weights live only in the file
+                    s.binding.bind(s.layout.placeholders(torch.device("cpu")))
             if att.ring is not None:
                 att.ring.release()
             self.att = None

@@ -10,6 +10,7 @@ stays pageable and the ring copies through a few staging buffers instead.
 from __future__ import annotations
 
 import logging
+import mmap
 
 import torch
 
@@ -32,13 +33,13 @@ def _clear_cuda_error() -> None:
 
 
 class HostBuffer:
-    """One page-aligned host byte buffer, optionally page-locked."""
+    """One page-aligned host byte buffer, optionally page-locked. Anonymous mmap memory:
+    freeing it returns it to the OS at once (malloc'd blocks of this size would stay in
+    the allocator's heap and make RSS climb run after run)."""
 
     def __init__(self, nbytes: int):
         size = _page_round(max(nbytes, 1))
-        self._raw = torch.empty(size + PAGE, dtype=torch.uint8)
-        start = (-self._raw.data_ptr()) % PAGE
-        self._region = self._raw[start:start + size]
+        self._region = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
         self.flat = self._region[:nbytes]
         self.nbytes = nbytes
         self.pinned = False
@@ -70,6 +71,13 @@ class HostBuffer:
             self.unpin()
         except Exception:
             pass
+
+
+def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """An uninitialised byte buffer on `device` (host memory via HostBuffer on the CPU)."""
+    if device.type == "cpu":
+        return HostBuffer(nbytes).flat
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 class HostPool:

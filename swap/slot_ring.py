@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .host_pool import HostBuffer
+from .host_pool import HostBuffer, empty_bytes
 from .layout import BlockLayout
 
 
@@ -37,7 +37,7 @@ class Slot:
 class SlotRing:
     def __init__(self, count: int, nbytes: int, device: torch.device, staging: bool = False,
                  pin_staging: bool = False):
-        self.slots = [Slot(i, torch.empty(nbytes, dtype=torch.uint8, device=device)) for i in range(count)]
+        self.slots = [Slot(i, empty_bytes(nbytes, device)) for i in range(count)]
         if staging:
             for s in self.slots:
                 s.staging = HostBuffer(nbytes)

@@ -5,6 +5,7 @@ machine without CUDA it is told so before `comfy.model_management` is imported, 
 own `--cpu` flag would. The pack is imported under its ComfyUI module name `ringswap`
 through the custom_nodes folder, as ComfyUI itself imports it.
 """
+import gc
 import os
 import sys
 
@@ -43,5 +44,6 @@ def pytest_collection_modifyitems(config, items):
 def _unload_models():
     """Each test starts with no model loaded, as after ComfyUI's 'Unload models'."""
     yield
+    gc.collect()   # models dropped by the test go first (ComfyUI's finalizers edit the list)
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()

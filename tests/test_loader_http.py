@@ -1,0 +1,93 @@
+"""RingSwap Model Loader inside a running ComfyUI server, driven over its HTTP API:
+the node is listed with its widgets and tooltips, and RingSwapModelLoader -> KSampler ->
+SaveLatent gives the same latent as the stock UNETLoader -> KSampler -> SaveLatent."""
+import os
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import COMFY, CUDA
+from support.comfy_server import ComfyServer
+from support.wan_files import write_tiny_wan
+from support.workflows import build_workflow
+
+pytestmark = pytest.mark.server
+
+UNET = "tiny_wan_loader.safetensors"
+BLOCKS = 6
+WIDGETS = ("unet_name", "window", "prefetch", "home", "pin_memory", "disk_workers")
+
+
+def build_loader_workflow(unet_name, home="ram", window=2, prefetch=1, pin_memory="auto",
+                          disk_workers=2, seed=0, filename_prefix="ringswap_loader", **kw) -> dict:
+    """build_workflow's graph with node "1" = RingSwapModelLoader feeding the KSampler
+    directly (no UNETLoader, no RingSwapPatch)."""
+    wf = build_workflow(unet_name, use_patch=False, seed=seed, filename_prefix=filename_prefix, **kw)
+    wf["1"] = {"class_type": "RingSwapModelLoader",
+               "inputs": {"unet_name": unet_name, "window": window, "prefetch": prefetch,
+                          "home": home, "pin_memory": pin_memory, "disk_workers": disk_workers}}
+    assert wf["6"]["inputs"]["model"] == ["1", 0]
+    return wf
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    models = tmp_path_factory.mktemp("models")
+    write_tiny_wan(os.path.join(models, "diffusion_models", UNET), dim=128, num_layers=BLOCKS,
+                   ffn_dim=256, dtype=torch.bfloat16, seed=7)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}   # tiny model; 2 threads thrash on a busy box
+    with ComfyServer(COMFY, str(models), cpu=not CUDA, env=env) as srv:
+        yield srv
+
+
+def latent_of(srv, entry):
+    (path,) = [p for p in srv.output_files(entry, "latents") if os.path.isfile(p)]
+    return load_file(path)["latent_tensor"]
+
+
+def test_loader_node_is_listed_with_widgets_and_tooltips(server):
+    node = server.object_info("RingSwapModelLoader")["RingSwapModelLoader"]
+    assert node["category"] == "RingSwap"
+    assert node["output"] == ["MODEL"]
+    required = node["input"]["required"]
+    assert tuple(required) == WIDGETS, list(required)
+    for name in WIDGETS:
+        assert required[name][1].get("tooltip"), f"{name} has no tooltip"
+    assert UNET in required["unet_name"][0]
+    assert required["home"][0] == ["ram", "disk"] and required["home"][1]["default"] == "ram"
+    assert required["pin_memory"][0] == ["auto", "on", "off"]
+    dw = required["disk_workers"][1]
+    assert (dw["min"], dw["max"], dw["default"]) == (1, 16, 4)
+    assert required["window"][1]["min"] == 0 and required["prefetch"][1]["min"] == 0
+
+
+def test_loader_workflow_latent_equals_stock(server):
+    ref = latent_of(server, server.run(build_workflow(UNET, use_patch=False, seed=3, steps=3,
+                                                      filename_prefix="stock"), timeout=300))
+    n_before = len(re.findall(r"RingSwap run:", server.log_text()))
+    for home in ("ram", "disk"):
+        entry = server.run(build_loader_workflow(UNET, home=home, seed=3, steps=3,
+                                                 filename_prefix=f"loader_{home}"), timeout=300)
+        assert torch.equal(latent_of(server, entry), ref), f"home={home}: latent differs from UNETLoader's"
+    # The cached MODEL is sampled again with another seed: still exact, another run line.
+    ref4 = latent_of(server, server.run(build_workflow(UNET, use_patch=False, seed=4, steps=3,
+                                                       filename_prefix="stock4"), timeout=300))
+    entry = server.run(build_loader_workflow(UNET, home="disk", seed=4, steps=3,
+                                             filename_prefix="loader_disk4"), timeout=300)
+    assert torch.equal(latent_of(server, entry), ref4)
+    log = server.log_text()
+    runs = [ln for ln in log.splitlines() if "RingSwap run:" in ln]
+    assert len(runs) - n_before == 3, runs
+    new = runs[n_before:]
+    streamed = BLOCKS - 1
+    for ln in new:
+        assert f"{BLOCKS} blocks (1 resident, {streamed} streamed, ring 2), window 2, prefetch 1" in ln, ln
+    assert "disk memory" not in new[0] and "disk memory" in new[1] and "disk memory" in new[2], new
+    assert re.search(r"read [\d.]+ GB from disk", new[1]), new[1]
+    assert re.search(r"RingSwap: read [\d.]+ GB of \d+ blocks from .*" + re.escape(UNET) +
+                     r" into RAM in [\d.]+ s \([\d.]+ GB/s\)", log), "no RAM-load console line"
+    assert "Exception during processing" not in log
+    assert not [ln for ln in log.splitlines() if "ringswap" in ln.lower() and
+                ("error" in ln.lower() or "traceback" in ln.lower() or "warning" in ln.lower())]
