@@ -1,0 +1,121 @@
+"""LoRA fold cost per Wan-14B block on the GPU ring, for bf16, fp8 and nvfp4 bases.
+
+Writes a short Wan-14B-width file (a few blocks, dim 5120, ffn 13824) per base format with
+bench/stream.py's writer, loads it with RingSwap (window 1: every block streams, so every
+block is folded at every step), applies a random rank-64 LoRA on all ten block linears
+through ComfyUI's own LoRA loading, and runs steps at `--tokens` (default 32,760: 480p 81
+frames). Reports the fold's device time per block (the engine's timed on-land work)
+against the block's compute time without LoRA. Target (issue 4): <= 3% at 480p.
+Usage: python bench/fold.py [--formats bf16 quant_metadata nvfp4] [--blocks 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import stream as S  # noqa: E402  (sets up ComfyUI on sys.path)
+
+if not torch.cuda.is_available():   # CPU smoke test: tell ComfyUI before it looks for CUDA
+    from comfy.cli_args import args
+    args.cpu = True
+
+import comfy.model_management as mm  # noqa: E402
+import comfy.sd  # noqa: E402
+
+from ringswap.loaders.model_loader import load_swapped_model  # noqa: E402
+from ringswap.loaders.swap_patcher import SwapSettings  # noqa: E402
+
+LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
+           "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")
+
+
+def rank_lora(blocks: int, dim: int, ffn: int, rank: int) -> dict:
+    shapes = {"ffn.0": (ffn, dim), "ffn.2": (dim, ffn)}
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for i in range(blocks):
+        for lin in LINEARS:
+            out_f, in_f = shapes.get(lin, (dim, dim))
+            base = f"diffusion_model.blocks.{i}.{lin}"
+            sd[base + ".lora_A.weight"] = (torch.randn(rank, in_f, generator=g) * 0.01).to(torch.bfloat16)
+            sd[base + ".lora_B.weight"] = (torch.randn(out_f, rank, generator=g) * 0.01).to(torch.bfloat16)
+    return sd
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run(model, inputs, steps: int):
+    mm.load_models_gpu([model])
+    dm = model.model.diffusion_model
+    times = []
+    with torch.no_grad():
+        for k in range(steps + 1):
+            sync()
+            t0 = time.perf_counter()
+            dm(*inputs)
+            sync()
+            if k:
+                times.append(time.perf_counter() - t0)
+            if k == 0:
+                model.swap_engine.end_run()
+    stats = model.swap_engine.end_run()
+    return sorted(times)[len(times) // 2], stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", nargs="+", default=["bf16", "quant_metadata", "nvfp4"])
+    ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32760)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=5120)
+    ap.add_argument("--ffn", type=int, default=13824)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import quant_files as qf   # tests/support, on sys.path through stream.py
+    S._install_nvfp4_fallback(qf)
+    template = S.wan_template(a.blocks, a.dim, a.ffn)
+    lora = rank_lora(a.blocks, a.dim, a.ffn, a.rank)
+    rows = []
+    for fmt in a.formats:
+        path = os.path.join(a.dir, f"fold_{fmt}.safetensors")
+        S.write_model(path, fmt, SimpleNamespace(layers=a.blocks, dim=a.dim, ffn=a.ffn, seed=0), dev, qf,
+                      template, 0)
+        base = load_swapped_model(path, SwapSettings(1, 1, "auto"), home="ram", disk_workers=4)
+        dtype = S.compute_dtype(base, dev)
+        inputs = S.make_inputs(a.tokens, dev, dtype, 512, 0)
+        plain_s, _ = run(base, inputs, a.steps)
+        mm.unload_all_models()
+        patched = comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0]
+        lora_s, st = run(patched, inputs, a.steps)
+        mm.unload_all_models()
+        fold_ms = 1e3 * st.land_s / max(st.forwards, 1)
+        block_ms = 1e3 * plain_s / a.blocks
+        rows.append((fmt, block_ms, fold_ms, 100 * fold_ms / block_ms, plain_s, lora_s))
+        print(f"{fmt}: block compute {block_ms:.1f} ms, fold {fold_ms:.2f} ms per block "
+              f"({100 * fold_ms / block_ms:.1f}%); step {plain_s:.3f} s -> {lora_s:.3f} s with LoRA; {st.line()}",
+              flush=True)
+        os.remove(path)
+        del base, patched
+    print(f"\n| base | block compute (ms, {a.tokens} tokens) | rank-{a.rank} fold per block (ms) | fold / compute |"
+          " step without / with LoRA (s) |")
+    print("| --- | --- | --- | --- | --- |")
+    for fmt, b, f, pct, p, l in rows:
+        print(f"| {fmt} | {b:.1f} | {f:.2f} | {pct:.1f}% {'PASS' if pct <= 3 else 'FAIL'} | {p:.3f} / {l:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
