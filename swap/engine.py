@@ -326,6 +326,10 @@ class BlockSwapEngine:
                     slot.loading = att.readahead.request(block, nbytes) or True
                 return
             t0 = time.perf_counter()
+            if staged is None:   # no buffer yet: first land the slots holding theirs
+                for other in att.ring.slots:
+                    if other is not slot and other.loading not in (None, True):
+                        self._land(other, wait=True)
             staged = att.readahead.take(block, nbytes)
             att.stats.read_wait_s += time.perf_counter() - t0
         staged.future.result()

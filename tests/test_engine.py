@@ -138,3 +138,18 @@ def test_disk_read_failure_is_reported_and_recoverable():
     engine.attach("cpu", 2, 1)
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
+
+
+def test_disk_home_with_one_staging_buffer_and_slow_reads():
+    """More ring slots than staging buffers: a slot waiting for a buffer must not take
+    the one another slot's block is being read into."""
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks, delay=0.003)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="disk", disk_workers=1)
+    for prefetch in (1, 2):
+        engine.attach("cpu", 1, prefetch)
+        for _ in range(6):
+            assert torch.equal(run(blocks, X), ref), prefetch
+        engine.end_run()
+        engine.detach()
