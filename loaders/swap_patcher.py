@@ -223,14 +223,21 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             return 0
         freed = engine.device_bytes()
         engine.detach()
+        self._release_folder()
         if self.model.model_loaded_weight_memory > 0:
             self.model.model_loaded_weight_memory = max(0, self.model.model_loaded_weight_memory - freed)
             self.model.model_lowvram = True
         return freed
 
+    def _release_folder(self) -> None:
+        cached = self.__dict__.get("_ringswap_folder")
+        if cached is not None and cached[1] is not None:
+            cached[1].release()
+
     def unpatch_model(self, device_to=None, unpatch_weights=True, *args, **kwargs):
         if unpatch_weights:
             self.swap_engine.detach()
+            self._release_folder()
         return super().unpatch_model(device_to, unpatch_weights, *args, **kwargs)
 
     def detach(self, unpatch_all=True, *args, **kwargs):

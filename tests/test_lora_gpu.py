@@ -32,14 +32,17 @@ def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype):
     comfy.model_management.unload_all_models()
     for window, prefetch in ((1, 1), (2, 1), (4, 0)):
         model = apply_lora(load_swapped_model(path, SwapSettings(window, prefetch), home="ram"), sd, 1.0)
-        probe = FoldProbe(model, {k: w for k, w in weights.items() if k.startswith("diffusion_model.blocks.")})
+        # plain LoRA pairs fold with a fused addmm_ on CUDA: within one unit in the last place
+        probe = FoldProbe(model, {k: w for k, w in weights.items() if k.startswith("diffusion_model.blocks.")},
+                          ulps=1)
         try:
             outs = [forward(model, *inputs(seed=0)) for _ in range(2)]
         finally:
             probe.remove()
         assert not probe.bad, probe.bad[:4]
         for out in outs:
-            assert torch.equal(out, want), (window, prefetch, (out - want).abs().max().item())
+            err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+            assert err <= 4 * torch.finfo(dtype).eps, (window, prefetch, err)
         comfy.model_management.unload_all_models()
 
 
