@@ -63,7 +63,7 @@ def make_expert(layers: int, dim: int, ffn: int, seed: int):
             w = torch.randn(p.shape, generator=g, device=dev, dtype=torch.float32).mul_(0.02)
             if name.split(".")[-2].startswith("norm"):
                 w.add_(1.0)
-            p.data = w.to(dtype).cpu()
+            p.data = w.to(p.dtype).cpu()   # ComfyUI chose each dtype (patch_embedding stays fp32)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=dev,
                                                offload_device=comfy.model_management.unet_offload_device())
     return patcher
