@@ -4,7 +4,8 @@ Reference: the stock loader (comfy.sd.load_diffusion_model) + ComfyUI's LoRA pat
 (comfy.sd.load_lora_for_models, as LoraLoaderModelOnly), fully resident on the CPU; its
 patched weights are read from the model after ComfyUI loaded it. RingSwap folds the same
 patches into each block as it lands; on the same device the math is the same, so weights
-and outputs must be equal bit for bit (torch.equal).
+and outputs must be equal bit for bit (torch.equal) on the CPU; on CUDA plain LoRA pairs fold
+with a fused addmm_ (lora/fold.py): within one ulp per weight, outputs within 1e-3.
 """
 import logging
 import os
@@ -87,6 +88,14 @@ def comfy_reference(stock_model, lora_sd, strength=1.0, runs=True, n_inputs=2):
     return {"weights": weights, "outs": outs, "runs": samples, "stock": stock_model}
 
 
+def same_as_comfyui(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Our LoRA output against ComfyUI's own patching: bit for bit on the CPU; on CUDA the
+    fused fold differs by at most one ulp per weight, so the outputs agree to ~1e-4."""
+    if got.device.type == "cpu":
+        return torch.equal(got, want)
+    return ((got.float() - want.float()).norm() / want.float().norm()).item() <= 1e-3
+
+
 def close_in_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> bool:
     if ulps == 0 or not want.dtype.is_floating_point:
         return torch.equal(got, want)
@@ -166,9 +175,9 @@ def test_every_block_gets_its_lora_every_window_prefetch_home(models, loras, mix
             where = f"home={home} window={window} prefetch={prefetch}"
             assert not probe.bad, f"{where}: folded weights differ from ComfyUI's: {probe.bad[:4]}"
             assert all(c >= 1 + 2 * 2 for c in probe.checks), (where, probe.checks)
-            assert torch.equal(out, ref["outs"][0]), f"{where}: forward"
+            assert same_as_comfyui(out, ref["outs"][0]), f"{where}: forward"
             for k in range(2):
-                assert torch.equal(runs[k], ref["runs"][k]), f"{where}: sampling run {k}"
+                assert same_as_comfyui(runs[k], ref["runs"][k]), f"{where}: sampling run {k}"
             comfy.model_management.unload_all_models()
 
 
@@ -192,7 +201,7 @@ def test_format_equals_comfyui_patching(stock, swapped, loras, fmt, dtype):
         probe.remove()
     assert not probe.bad, probe.bad[:4]
     assert min(probe.checks) >= 1
-    assert torch.equal(out, ref["outs"][0]), f"{fmt} {dtype}: output"
+    assert same_as_comfyui(out, ref["outs"][0]), f"{fmt} {dtype}: output"
     assert not torch.equal(forward(base, *inputs(seed=0)), out), "the LoRA changed nothing"
 
 
@@ -221,7 +230,7 @@ def test_stock_lora_loaders_and_stack_equal_the_node(models, loras, swapped, sto
     base = swapped["fp32"]
     want = forward(apply_node(base, name, 0.8), *inputs(seed=0))
     # the node on a MODEL that is not block-swapped: plain ComfyUI patching, same result
-    assert torch.equal(forward(apply_node(stock["fp32"], name, 0.8), *inputs(seed=0)), want)
+    assert same_as_comfyui(forward(apply_node(stock["fp32"], name, 0.8), *inputs(seed=0)), want)
     (a,) = comfy_nodes.LoraLoaderModelOnly().load_lora_model_only(base, name, 0.8)
     b, _ = comfy_nodes.LoraLoader().load_lora(base, None, name, 0.8, 0.0)
     rows = {"lora_1_on": True, "lora_1_name": name, "lora_1_strength": 0.8,
@@ -231,7 +240,7 @@ def test_stock_lora_loaders_and_stack_equal_the_node(models, loras, swapped, sto
     (c,) = RingSwapLoRAStack().apply(base, **rows)
     for m in (a, b, c):
         assert m.ringswap == base.ringswap, "LoRA clones keep the swap settings"
-        assert torch.equal(forward(m, *inputs(seed=0)), want)
+        assert same_as_comfyui(forward(m, *inputs(seed=0)), want)
 
 
 def test_stack_chains_like_nodes(models, loras):

@@ -42,7 +42,7 @@ def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype):
         assert not probe.bad, probe.bad[:4]
         for out in outs:
             err = ((out.float() - want.float()).norm() / want.float().norm()).item()
-            assert err <= 4 * torch.finfo(dtype).eps, (window, prefetch, err)
+            assert err <= 1e-3, (window, prefetch, err)   # one ulp per folded weight, see lora/fold.py
         comfy.model_management.unload_all_models()
 
 
