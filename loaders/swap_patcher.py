@@ -253,5 +253,20 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
 
     # ----- sampling runs ---------------------------------------------------------------
     def cleanup(self, *args, **kwargs):
-        self.swap_engine.end_run()
+        stats = self.swap_engine.end_run()
+        if stats is not None and stats.streamed:
+            _publish(stats)
         return super().cleanup(*args, **kwargs)
+
+
+def _publish(stats) -> None:
+    """Send the run's summary to the browser (web/ringswap.js), when a server is running."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None:
+        return
+    instance.send_sync("ringswap.run", {
+        "line": stats.line(), "blocks": stats.blocks, "streamed": stats.streamed, "window": stats.window,
+        "prefetch": stats.prefetch, "memory": stats.memory, "bytes_copied": stats.bytes_copied,
+        "gbps": stats.gbps, "copy_ms": stats.copy_s * 1e3, "hidden_ms": stats.hidden_s * 1e3,
+        "wait_ms": stats.wait_s * 1e3, "fold_ms_per_block": 1e3 * stats.land_s / max(stats.forwards, 1)})

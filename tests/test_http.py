@@ -79,3 +79,40 @@ def test_interrupt_mid_sampling_then_next_run_matches(server):
         server.wait(pid, timeout=120)
     after = latent_of(server, server.run(workflow(4, 9, "after"), timeout=300))
     assert torch.equal(after, ref)
+
+
+def test_web_extension_is_served(server):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(server.url + "/extensions", timeout=30) as r:
+        files = json.loads(r.read())
+    ours = [f for f in files if f.endswith("/ringswap.js")]
+    assert ours, files
+    with urllib.request.urlopen(server.url + ours[0], timeout=30) as r:
+        js = r.read().decode()
+    assert 'api.addEventListener("ringswap.run"' in js and "registerExtension" in js
+
+
+def test_run_summary_reaches_the_browser_over_the_websocket(server):
+    import asyncio
+    import json
+
+    import aiohttp
+
+    async def listen():
+        async with aiohttp.ClientSession() as s:
+            async with s.ws_connect(f"{server.url}/ws?clientId={server.client_id}") as ws:
+                server.queue(build_workflow(UNET, use_patch=True, window=2, seed=21, filename_prefix="ws"))
+                async for msg in ws:
+                    if msg.type != aiohttp.WSMsgType.TEXT:
+                        continue
+                    data = json.loads(msg.data)
+                    if data.get("type") == "ringswap.run":
+                        return data["data"]
+                    if data.get("type") == "execution_error":
+                        raise AssertionError(data)
+
+    detail = asyncio.run(asyncio.wait_for(listen(), timeout=120))
+    assert detail["line"].startswith("RingSwap run:") and detail["streamed"] == 5
+    assert detail["bytes_copied"] > 0 and detail["window"] == 2
