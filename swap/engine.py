@@ -58,7 +58,6 @@ class _Attachment:
         self.readahead: ReadAhead | None = None
         self.hooks: BlockHooks | None = None
         self.on_land = None
-        self.order = {b: j for j, b in enumerate(plan.streamed)}
         self.stats = self.new_stats()
 
     def new_stats(self) -> RunStats:
@@ -68,8 +67,7 @@ class _Attachment:
 
     def upcoming(self, block: int) -> list[int]:
         """Streamed blocks in run order starting after `block` (wrapping)."""
-        s, j = self.plan.streamed, self.order[block]
-        return [s[(j + k) % len(s)] for k in range(1, len(s) + 1)]
+        return self.plan.next_streamed(block)
 
 
 HOMES = ("ram", "disk")

@@ -9,6 +9,7 @@ so that every copy has resident compute around it to hide under.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 
@@ -50,8 +51,8 @@ class ResidencyPlan:
         s = self.streamed
         if not s:
             return []
-        start = next((i for i, b in enumerate(s) if b > block), 0)
-        return [s[(start + k) % len(s)] for k in range(len(s))]
+        start = bisect.bisect_right(s, block) % len(s)
+        return list(s[start:] + s[:start])
 
     def describe(self) -> str:
         if not self.streamed:
