@@ -47,3 +47,17 @@ def _unload_models():
     gc.collect()   # models dropped by the test go first (ComfyUI's finalizers edit the list)
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
+
+
+@pytest.fixture(scope="module")
+def fast_and_quiet():
+    """For modules with many gc.collect() calls and tiny matmuls: freeze what is alive so far
+    (torch, ComfyUI, ...) out of the cyclic collector, whose full passes otherwise dominate,
+    and use one thread (2 OpenMP threads thrash on a busy 2-core machine)."""
+    gc.collect()
+    gc.freeze()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    gc.unfreeze()

@@ -33,16 +33,8 @@ RSS_SLACK = 3 << 20   # "a few MB" over 5 repeated failing loads
 
 # ----- helpers ---------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
-def _fast_and_quiet():
-    """Freeze everything alive so far (torch, ComfyUI, ...) out of the collector: the many
-    gc.collect() calls below then scan only what the tests create."""
-    gc.collect()
-    gc.freeze()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # tiny matmuls; 2 OpenMP threads thrash on a busy 2-core box
+def _fast_and_quiet(fast_and_quiet):
     yield
-    torch.set_num_threads(threads)
-    gc.unfreeze()
 
 
 def live_ringswap_objects() -> dict:

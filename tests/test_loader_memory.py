@@ -59,16 +59,8 @@ def bound_blocks(model) -> list[int]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _fast_and_quiet():
-    """Freeze what is alive so far (torch, ComfyUI, ...) out of the cyclic collector, whose
-    full passes over it otherwise dominate these tests' time."""
-    gc.collect()
-    gc.freeze()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # tiny matmuls; 2 OpenMP threads thrash on a busy 2-core box
+def _fast_and_quiet(fast_and_quiet):
     yield
-    torch.set_num_threads(threads)
-    gc.unfreeze()
 
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
