@@ -272,9 +272,14 @@ class _Op:
         self.pairs = _lora_pairs(self.patches)
         self._on_device: dict = {}
 
+    def fused(self, w: torch.Tensor) -> bool:
+        """Does `w` fold with the fused addmm_ (plain LoRA pairs, CUDA, float dtype)?"""
+        return (self.pairs is not None and w.device.type in FUSED_DEVICES and w.dim() == 2
+                and w.dtype in FUSED_DTYPES)
+
     def add_delta(self, w: torch.Tensor) -> torch.Tensor:
         """w + the patches' delta: fused on CUDA for plain LoRA pairs, else ComfyUI's math."""
-        if self.pairs is None or w.device.type not in FUSED_DEVICES or w.dim() != 2:
+        if not self.fused(w):
             return comfy.lora.calculate_weight(self.patches, w, self.key)
         pairs = self._on_device.get((w.device, w.dtype))
         if pairs is None:
@@ -295,7 +300,7 @@ class _PlainOp(_Op):
 
     def __call__(self, tensors):
         t = tensors[self.entry]
-        if self.pairs is not None and t.device.type in FUSED_DEVICES and t.dtype in FUSED_DTYPES:
+        if self.fused(t):
             self.add_delta(t)
             return
         w = t.to(torch.float32, copy=True)

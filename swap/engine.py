@@ -47,8 +47,9 @@ class _Attachment:
     """Everything that exists only while the engine is attached to a device."""
 
     def __init__(self, device: torch.device, plan: ResidencyPlan, memory: str, pin_memory: str,
-                 owner: object):
+                 owner: object, on_land: Callable | None):
         self.owner = owner          # opaque token of whoever attached (e.g. a weakref)
+        self.on_land = on_land
         self.device = device
         self.plan = plan
         self.memory = memory
@@ -57,7 +58,6 @@ class _Attachment:
         self.ring: SlotRing | None = None
         self.readahead: ReadAhead | None = None
         self.hooks: BlockHooks | None = None
-        self.on_land = None
         self.stats = self.new_stats()
 
     def new_stats(self) -> RunStats:
@@ -128,9 +128,11 @@ class BlockSwapEngine:
             return 0
         todo = [s for s in self.states if s.index not in self.pool.blocks]
         total = sum(s.layout.nbytes for s in todo)
+        futures = []
         try:
-            futures = [(s, self.pool.add(s.index, s.layout.nbytes)) for s in todo]
-            futures = [(s, buf, self.read_block(s.index, buf.flat)) for s, buf in futures]
+            for s in todo:
+                buf = self.pool.add(s.index, s.layout.nbytes)
+                futures.append((s, buf, self.read_block(s.index, buf.flat)))
             done = 0
             for s, buf, fut in futures:
                 fut.result()
@@ -196,8 +198,7 @@ class BlockSwapEngine:
             self.detach()
         self._ensure_home()
         memory = self._choose_memory(device, plan, pin_memory)
-        att = _Attachment(device, plan, memory, pin_memory, owner)
-        att.on_land = on_land
+        att = _Attachment(device, plan, memory, pin_memory, owner, on_land)
         try:
             if self.home == "disk":
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
@@ -250,14 +251,13 @@ class BlockSwapEngine:
             return "pageable"
         if self.pool.pin(list(plan.streamed)):
             return "pinned"
+        gib = sum(self.states[i].layout.nbytes for i in plan.streamed) / 2**30
         if pin_memory == "on":
             raise RuntimeError(
-                f"pin_memory='on' but page-locking {len(plan.streamed)} blocks "
-                f"({sum(self.states[i].layout.nbytes for i in plan.streamed) / 2**30:.1f} GiB) failed; "
+                f"pin_memory='on' but page-locking {len(plan.streamed)} blocks ({gib:.1f} GiB) failed; "
                 "free RAM, lower the streamed share (a larger window) or use pin_memory='auto'")
         log.warning("RingSwap: could not pin %.1f GiB of host memory; using pageable memory with "
-                    "a pinned staging ring (slower copies)",
-                    sum(self.states[i].layout.nbytes for i in plan.streamed) / 2**30)
+                    "a pinned staging ring (slower copies)", gib)
         return "staged"
 
     def detach(self) -> None:
