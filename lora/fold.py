@@ -27,7 +27,10 @@ pair kept on the device: one read and write of the weight instead of ComfyUI's f
 round trip, so the fold stays a few % of the block's compute. The result is the exact sum
 rounded once, so it can differ from ComfyUI's (which rounds the product, the scaled
 product and the sum separately) by at most one unit in the last place of the weight's
-dtype. On the CPU the fold follows ComfyUI's steps exactly.
+dtype. Quantized weights with plain LoRA pairs fold through lora/kernels.py on CUDA (per-
+tensor fp8: dequantize, add and requantize in two passes over the fp8 bytes; kitchen
+layouts: the pairs added to the dequantized float32 weight with its amax in one pass), the
+same math summed in another order. On the CPU the fold follows ComfyUI's steps exactly.
 The slot's tensors never change shape or dtype. Like ComfyUI's own loader, the fold
 leaves out patches on buffers and on parameters of non-leaf modules (Wan's
 `blocks.N.modulation`): ComfyUI 0.3.75 and later never apply those either, so results match.
@@ -48,6 +51,8 @@ import comfy.float
 import comfy.lora
 import comfy.model_patcher
 import comfy.utils
+
+from . import kernels
 
 try:
     import comfy.quant_ops as _comfy_quant_ops
@@ -289,6 +294,17 @@ class _Op:
             w.addmm_(up, down, alpha=scale)
         return w
 
+    def kernel_pairs(self, w: torch.Tensor) -> "kernels.Pairs | None":
+        """The LoRA pairs laid out for lora/kernels.py on `w`'s device, or None where the
+        fused kernels do not apply (not plain pairs, not CUDA, no Triton)."""
+        if self.pairs is None or not kernels.enabled(w.device):
+            return None
+        key = ("kernels", w.device)
+        kp = self._on_device.get(key)
+        if kp is None:
+            kp = self._on_device[key] = kernels.Pairs(self.pairs, w.device)
+        return kp
+
 
 class _PlainOp(_Op):
     """ComfyUI's patch_weight_to_device, on the slot's tensor."""
@@ -324,6 +340,9 @@ class _ScaledFp8Op(_Op):
 
     def __call__(self, tensors):
         q, s = tensors[self.data], tensors[self.scale]
+        kp = self.kernel_pairs(q)
+        if kp is not None and kernels.fold_fp8_(q, s, kp, MIN_SCALE):
+            return
         w = q.to(torch.float32) * s.to(torch.float32)
         out = self.add_delta(w)
         nq, ns = requantize_fp8(out, q.dtype)
@@ -342,12 +361,16 @@ class _KitchenOp(_Op):
         parts = [tensors[i] for i in self.entries]
         params = dataclasses.replace(self.params, orig_dtype=torch.float32, **dict(zip(self.fields, parts[1:])))
         w = KitchenTensor(parts[0], self.layout_cls, params).dequantize().contiguous()
-        out = self.add_delta(w)
+        kp = self.kernel_pairs(w)
+        amax = kernels.add_pairs_(w, kp) if kp is not None else None
+        out = w if amax is not None else self.add_delta(w)
         kwargs = {}
         if self.layout_cls == "TensorCoreNVFP4Layout":
-            kwargs["scale"] = (out.abs().amax() / NVFP4_MAX).clamp_min(MIN_SCALE)
+            amax = out.abs().amax() if amax is None else amax
+            kwargs["scale"] = (amax / NVFP4_MAX).clamp_min(MIN_SCALE)
         elif self.layout_cls == "TensorCoreFP8Layout":
-            kwargs["scale"] = (out.abs().amax() / torch.finfo(parts[0].dtype).max).clamp_min(MIN_SCALE)
+            amax = out.abs().amax() if amax is None else amax
+            kwargs["scale"] = (amax / torch.finfo(parts[0].dtype).max).clamp_min(MIN_SCALE)
             kwargs["dtype"] = parts[0].dtype
         q = _kitchen_from_float(out, self.layout_cls, **kwargs)
         new = [q._qdata] + [getattr(q._params, f) for f in self.fields]

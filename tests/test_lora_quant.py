@@ -74,6 +74,17 @@ def requantize_fp8(w):
     return (w / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
 
+def assert_fp8_close(got, want, what, same=0.999):
+    """fp8 codes requantized from float32 values that differ in the last bits: nearly all
+    codes equal, none more than one fp8 step off."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    g, w = got.float(), want.float()
+    step = torch.finfo(want.dtype).eps   # at most the relative step of a normal value
+    tiny = torch.finfo(want.dtype).smallest_normal * step
+    assert ((g - w).abs() <= w.abs() * step + tiny).all(), what
+    assert (g == w).float().mean().item() >= same, what
+
+
 def bits(t):
     return t.reshape(-1).view(torch.uint8)
 
@@ -152,8 +163,12 @@ def test_folded_weights_equal_requantized_dequantized_base_plus_delta(files, lor
             assert rel(got, want) < 0.12, f"nvfp4 error {rel(got, want):.3f}"
         else:
             q, scale = requantize_fp8(want)
-            assert torch.equal(bits(parts["data"]), bits(q)), (i, name)
-            assert torch.equal(parts["scale"].reshape(()), scale.reshape(())), (i, name)
+            if parts["data"].device.type == "cpu":   # ComfyUI's steps, op by op: bit for bit
+                assert torch.equal(bits(parts["data"]), bits(q)), (i, name)
+                assert torch.equal(parts["scale"].reshape(()), scale.reshape(())), (i, name)
+            else:   # CUDA: lora/kernels.py sums the same float32 products in another order
+                assert rel(parts["scale"].reshape(()), scale.reshape(())) < 1e-6, (i, name)
+                assert_fp8_close(parts["data"], q, (i, name))
             assert rel(parts["data"].float() * parts["scale"], want) < 0.04
 
     ref_base, ref_lora = original

@@ -1,0 +1,166 @@
+"""Fused LoRA folds on CUDA (Triton): fp8 dequantize + LoRA + requantize, and LoRA + amax.
+
+Why our own kernels: neither torch, ComfyUI nor comfy_kitchen has an op that adds low-rank
+products to a quantized weight. Op by op, folding a per-tensor-scaled fp8 weight is five
+float32 passes over the block (about 10% of a Wan-14B block's compute at 480p), so:
+- `fold_fp8_` reads the fp8 bytes twice (once for the new amax, once to requantize in
+  place), recomputing the rank-r product per tile from LoRA factors that stay in L2;
+- `add_pairs_` adds the pairs to a float32 weight in place and returns its amax in the same
+  pass (the nvfp4 fold, between comfy_kitchen's dequantize and quantize).
+Math: products of bf16 (or fp16) LoRA factors are exact in float32 and summed in float32,
+as ComfyUI's float32 `mm` does, in another order; float32 factors use Triton's tf32x3.
+Division and the fp8 cast round to nearest even, as torch does. Where a kernel cannot
+build or run (no Triton, fp8 casts before sm_89), `None` is returned and the caller folds
+op by op; the failure is logged once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("ringswap.kernels")
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU-only torch: the callers fold op by op
+    triton = None
+
+_FAILED: set = set()   # (kernel, device) pairs that failed to build or run
+_BUILT: set = set()    # (dtype, device) where a kernel ran: a later failure is a real error
+BM, BN = 128, 128
+
+
+def enabled(device: torch.device) -> bool:
+    """May the fused kernels run on `device`? (RINGSWAP_FUSED_KERNELS=0 turns them off.)"""
+    return (triton is not None and device.type == "cuda"
+            and os.environ.get("RINGSWAP_FUSED_KERNELS", "1") != "0")
+
+
+class Pairs:
+    """LoRA pairs of one weight laid out for the kernels: the ups side by side [M, R] and
+    the downs stacked [R, N], each pair's rank padded with zeros to a multiple of `br`,
+    and one scale (strength * alpha / rank) per `br` ranks, on the device."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor, float]], device: torch.device):
+        dtypes = {t.dtype for u, d, _ in pairs for t in (u, d)}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16} \
+            else torch.float32
+        self.br = 32 if self.dtype != torch.float32 else 16
+        ranks = [-(-d.shape[0] // self.br) * self.br for _, d, _ in pairs]
+        m, n = pairs[0][0].shape[0], pairs[0][1].shape[1]
+        self.rank = sum(ranks)
+        self.up = torch.zeros(m, self.rank, dtype=self.dtype, device=device)
+        self.down = torch.zeros(self.rank, n, dtype=self.dtype, device=device)
+        scales, k = [], 0
+        for (u, d, scale), r in zip(pairs, ranks):
+            self.up[:, k:k + u.shape[1]].copy_(u)
+            self.down[k:k + d.shape[0]].copy_(d)
+            scales += [scale] * (r // self.br)
+            k += r
+        self.scales = torch.tensor(scales, dtype=torch.float32, device=device)
+        self.prec = "tf32x3" if self.dtype == torch.float32 else None
+
+
+if triton is not None:
+    @triton.jit
+    def _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr,
+                  RANK: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        """w + the low-rank products of a tile, BR ranks (one pair's) at a time."""
+        rk = tl.arange(0, BR)
+        for k in tl.static_range(0, RANK, BR):
+            a = tl.load(up_ptr + rm[:, None].to(tl.int64) * RANK + (k + rk)[None, :],
+                        mask=rm[:, None] < M, other=0.0)
+            b = tl.load(down_ptr + (k + rk)[:, None].to(tl.int64) * N + rn[None, :],
+                        mask=rn[None, :] < N, other=0.0)
+            w += tl.load(scales_ptr + k // BR) * tl.dot(a, b, input_precision=PREC)
+        return w
+
+    @triton.jit
+    def _fp8_kernel(q_ptr, s_ptr, new_s_ptr, amax_ptr, up_ptr, down_ptr, scales_ptr, M, N, fmax,
+                    RANK: tl.constexpr, REQUANT: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+        w = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr).to(tl.float32)
+        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        if REQUANT:
+            out = tl.clamp(tl.math.div_rn(w, tl.load(new_s_ptr)), -fmax, fmax)
+            tl.store(q_ptr + offs, out.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        else:
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(w), 0.0), axis=1), axis=0))
+
+    @triton.jit
+    def _add_kernel(w_ptr, amax_ptr, up_ptr, down_ptr, scales_ptr, M, N, RANK: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        tl.store(w_ptr + offs, w, mask=mask)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(w), 0.0), axis=1), axis=0))
+
+
+def _usable(name: str, w: torch.Tensor, pairs: Pairs) -> bool:
+    return ((name, w.device) not in _FAILED and w.dim() == 2 and w.is_contiguous()
+            and pairs.up.shape[0] == w.shape[0] and pairs.down.shape[1] == w.shape[1])
+
+
+def _failed(name: str, w: torch.Tensor, e: Exception) -> None:
+    _FAILED.add((name, w.device))
+    log.warning("RingSwap LoRA: the fused %s fold cannot run on %s (%s); folding op by op instead",
+                name, w.device, str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__)
+
+
+def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: float) -> bool:
+    """q * scale + the pairs' delta, requantized into `q` with a fresh per-tensor scale
+    amax / fp8_max (at least `min_scale`) written into `scale`. False (nothing changed)
+    where the kernel cannot run."""
+    if not _usable("fp8", q, pairs) or scale.numel() != 1:
+        return False
+    m, n = q.shape
+    fmax = torch.finfo(q.dtype).max
+    amax = torch.zeros((), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
+    args = (pairs.up, pairs.down, pairs.scales, m, n, fmax)
+    try:
+        _fp8_kernel[grid](q, scale, amax, amax, *args, RANK=pairs.rank, REQUANT=False, BM=BM, BN=BN, BR=pairs.br,
+                          PREC=pairs.prec, num_warps=8)
+        new = (amax / fmax).clamp_min(min_scale)
+        _fp8_kernel[grid](q, scale, new, amax, *args, RANK=pairs.rank, REQUANT=True, BM=BM, BN=BN, BR=pairs.br,
+                          PREC=pairs.prec, num_warps=8)
+    except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
+        if (q.dtype, q.device) in _BUILT:
+            raise
+        _failed("fp8", q, e)
+        return False
+    _BUILT.add((q.dtype, q.device))
+    scale.copy_(new.reshape(scale.shape))
+    return True
+
+
+def add_pairs_(w: torch.Tensor, pairs: Pairs) -> torch.Tensor | None:
+    """Add the pairs' delta to the float32 weight `w` in place; returns amax(|w|) after it
+    (a 0-dim device tensor), or None (nothing changed) where the kernel cannot run."""
+    if w.dtype != torch.float32 or not _usable("add", w, pairs):
+        return None
+    m, n = w.shape
+    amax = torch.zeros((), dtype=torch.float32, device=w.device)
+    try:
+        _add_kernel[(triton.cdiv(m, BM), triton.cdiv(n, BN))](
+            w, amax, pairs.up, pairs.down, pairs.scales, m, n, RANK=pairs.rank,
+            BM=BM, BN=BN, BR=pairs.br, PREC=pairs.prec, num_warps=8)
+    except Exception as e:   # noqa: BLE001
+        if (w.dtype, w.device) in _BUILT:
+            raise
+        _failed("add", w, e)
+        return None
+    _BUILT.add((w.dtype, w.device))
+    return amax
+

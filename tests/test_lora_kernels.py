@@ -1,0 +1,115 @@
+"""lora/kernels.py on CUDA: the fused folds against the same math done op by op in float32
+(TF32 off), on fresh random data, odd shapes, several pairs, every LoRA dtype and fp8 type."""
+import pytest
+import torch
+
+from ringswap.lora import kernels
+from ringswap.lora.fold import MIN_SCALE, _KitchenOp, _ScaledFp8Op, _kitchen_from_float
+from test_lora_quant import assert_fp8_close
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+
+
+def make_pairs(m, n, ranks, dtype, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return [((torch.randn(m, r, device=DEV, generator=g) * 0.05).to(dtype),
+             (torch.randn(r, n, device=DEV, generator=g) * 0.05).to(dtype), 0.7 + 0.1 * k)
+            for k, r in enumerate(ranks)]
+
+
+def reference_add(w, pairs):
+    out = w.clone()
+    for up, down, scale in pairs:
+        out.addmm_(up.float(), down.float(), alpha=scale)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+CASES = [((384, 640), (64,), torch.bfloat16), ((300, 200), (16, 8), torch.bfloat16),
+         ((256, 1000), (64,), torch.float16), ((129, 257), (4,), torch.float32),
+         ((5120, 5120), (64,), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("shape,ranks,ldtype", CASES)
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fold_fp8_equals_op_by_op(shape, ranks, ldtype, qdtype):
+    m, n = shape
+    for seed in range(2):
+        g = torch.Generator(device=DEV).manual_seed(100 + seed)
+        w0 = torch.randn(m, n, device=DEV, generator=g) * 0.03
+        fmax = torch.finfo(qdtype).max
+        s = (w0.abs().amax() / fmax).reshape(())
+        q = (w0 / s).to(qdtype)
+        pairs = make_pairs(m, n, ranks, ldtype, seed)
+        want = reference_add(q.float() * s, pairs)
+        want_s = (want.abs().amax() / fmax).clamp_min(MIN_SCALE)
+        want_q = (want / want_s).clamp(-fmax, fmax).to(qdtype)
+
+        got_q, got_s = q.clone(), s.clone()
+        assert kernels.fold_fp8_(got_q, got_s, kernels.Pairs(pairs, DEV), MIN_SCALE)
+        assert abs(got_s.item() / want_s.item() - 1) < 1e-6
+        assert_fp8_close(got_q, want_q, (shape, ranks, ldtype, qdtype), same=0.9999)
+
+
+@pytest.mark.parametrize("shape,ranks,ldtype", CASES)
+def test_add_pairs_equals_op_by_op(shape, ranks, ldtype):
+    m, n = shape
+    w = torch.randn(m, n, device=DEV) * 0.03
+    pairs = make_pairs(m, n, ranks, ldtype, 7)
+    want = reference_add(w, pairs)
+    got = w.clone()
+    amax = kernels.add_pairs_(got, kernels.Pairs(pairs, DEV))
+    assert amax is not None
+    err = ((got - want).norm() / (want - w).norm()).item()
+    assert err < (1e-5 if ldtype != torch.float32 else 1e-4), err   # of the delta: float32 sums
+    assert amax.item() == got.abs().amax().item()
+
+
+def test_ops_use_the_kernels_and_match_the_op_by_op_fold(monkeypatch):
+    """_ScaledFp8Op and _KitchenOp (nvfp4) on CUDA: fused result == op-by-op result within a
+    requantization step."""
+    import comfy.weight_adapter.lora as wl   # ComfyUI's own patch type, as load_lora makes it
+    m, n, r = 512, 768, 32
+    up, down = (torch.randn(m, r) * 0.05).bfloat16(), (torch.randn(r, n) * 0.05).bfloat16()
+    patch = wl.LoRAAdapter({"up", "down"}, (up, down, torch.tensor(16.0), None, None, None))
+    plist = ((0.8, patch, 1.0, None, None),)
+    w0 = torch.randn(m, n, device=DEV) * 0.03
+
+    def fp8_parts():
+        s = (w0.abs().amax() / 448.0).reshape(())
+        return [(w0 / s).to(torch.float8_e4m3fn), s.clone()]
+
+    fused, plain = fp8_parts(), fp8_parts()
+    op = _ScaledFp8Op("k.weight", plist, 0, 1)
+    assert op.pairs is not None
+    op(fused)
+    monkeypatch.setenv("RINGSWAP_FUSED_KERNELS", "0")
+    _ScaledFp8Op("k.weight", plist, 0, 1)(plain)
+    monkeypatch.delenv("RINGSWAP_FUSED_KERNELS")
+    assert abs(fused[1].item() / plain[1].item() - 1) < 1e-6
+    assert_fp8_close(fused[0], plain[0], "fp8 op")
+    assert (torch.float8_e4m3fn, fused[0].device) in kernels._BUILT, "the fused fp8 kernel did not run"
+
+    q = _kitchen_from_float(w0, "TensorCoreNVFP4Layout")
+    fields = ("scale", "block_scale")
+
+    def nv_parts():
+        return [q._qdata.clone(), q._params.scale.clone(), q._params.block_scale.clone()]
+
+    fused, plain = nv_parts(), nv_parts()
+    _KitchenOp("k.weight", plist, range(3), "TensorCoreNVFP4Layout", q._params, fields)(fused)
+    monkeypatch.setenv("RINGSWAP_FUSED_KERNELS", "0")
+    _KitchenOp("k.weight", plist, range(3), "TensorCoreNVFP4Layout", q._params, fields)(plain)
+    monkeypatch.delenv("RINGSWAP_FUSED_KERNELS")
+    assert abs(fused[1].item() / plain[1].item() - 1) < 1e-6
+    assert (fused[0] == plain[0]).float().mean().item() > 0.999
+    assert not torch.equal(fused[0], q._qdata), "the LoRA changed nothing"
+    assert (torch.float32, fused[0].device) in kernels._BUILT, "the fused add kernel did not run"
