@@ -359,8 +359,13 @@ class _KitchenOp(_Op):
 
     def __call__(self, tensors):
         parts = [tensors[i] for i in self.entries]
+        if self.layout_cls == "TensorCoreNVFP4Layout" and self.fields == ("scale", "block_scale") \
+                and tuple(self.params.orig_shape) == (parts[0].shape[0], 2 * parts[0].shape[1]):
+            kp = self.kernel_pairs(parts[0])
+            if kp is not None and kernels.fold_nvfp4_(parts[0], parts[1], parts[2], kp, NVFP4_MAX, MIN_SCALE):
+                return
         params = dataclasses.replace(self.params, orig_dtype=torch.float32, **dict(zip(self.fields, parts[1:])))
-        w = KitchenTensor(parts[0], self.layout_cls, params).dequantize().contiguous()
+        w = _kitchen_dequantize(KitchenTensor(parts[0], self.layout_cls, params)).contiguous()
         kp = self.kernel_pairs(w)
         amax = kernels.add_pairs_(w, kp) if kp is not None else None
         out = w if amax is not None else self.add_delta(w)
@@ -382,6 +387,22 @@ class _KitchenOp(_Op):
 
 
 _KITCHEN_EAGER: set = set()   # (layout, device) where kitchen's default quantize backend failed
+
+
+def _kitchen_dequantize(q):
+    """comfy_kitchen's dequantize to float32; its eager backend where the chosen one cannot
+    do it (e.g. its CUDA kernels take fp16/bf16 outputs only)."""
+    key = (q._layout_cls + ".dequantize", q._qdata.device)
+    if key not in _KITCHEN_EAGER:
+        try:
+            return q.dequantize()
+        except Exception as e:   # noqa: BLE001
+            log.warning("RingSwap LoRA: comfy_kitchen's %s dequantize failed on %s (%s); using its eager backend",
+                        q._layout_cls, q._qdata.device, str(e).strip().splitlines()[0][:200])
+            _KITCHEN_EAGER.add(key)
+    from comfy_kitchen.registry import registry
+    with registry.use_backend("eager"):
+        return q.dequantize()
 
 
 def _kitchen_from_float(w: torch.Tensor, layout_cls: str, **kwargs):

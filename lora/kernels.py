@@ -107,6 +107,65 @@ if triton is not None:
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(w), 0.0), axis=1), axis=0))
 
 
+    @triton.jit
+    def _e2m1_decode(code):
+        """fp4 e2m1 codes (uint8, 0..15) to float32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives."""
+        e = ((code >> 1) & 3).to(tl.int32)
+        m = (code & 1).to(tl.float32)
+        mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
+        return tl.where((code & 8) != 0, -mag, mag)
+
+    @triton.jit
+    def _e2m1_encode(d):
+        """float32 in [-6, 6] to e2m1 codes, round to nearest even, the sign kept (-0 too)."""
+        a = tl.abs(d)
+        code = ((a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
+                + (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8)
+                + (a > 5.0).to(tl.uint8))
+        return tl.where(d.to(tl.int32, bitcast=True) < 0, code | 8, code)
+
+    @triton.jit
+    def _nvfp4_kernel(q_ptr, bs_ptr, gs_ptr, new_gs_ptr, amax_ptr, up_ptr, down_ptr, scales_ptr,
+                      M, N, col_groups, RANK: tl.constexpr, REQUANT: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        """nvfp4 as comfy_kitchen stores it: two e2m1 codes per byte (high nibble first),
+        one e4m3 scale per 16 values in cuBLAS's blocked layout, a float32 global scale."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        rb = tl.program_id(1) * (BN // 16) + tl.arange(0, BN // 16)      # 16-value blocks
+        rp = tl.program_id(1) * (BN // 2) + tl.arange(0, BN // 2)        # packed bytes
+        rows = rm[:, None] < M
+        qoffs = rm[:, None].to(tl.int64) * (N // 2) + rp[None, :]
+        qmask = rows & (rp[None, :] < N // 2)
+        ri = rm % 128
+        soffs = ((rm // 128)[:, None].to(tl.int64) * col_groups + (rb // 4)[None, :]) * 512 \
+            + ((ri % 32) * 16 + (ri // 32) * 4)[:, None] + (rb % 4)[None, :]
+        smask = rows & (rb[None, :] < N // 16)
+        packed = tl.load(q_ptr + qoffs, mask=qmask, other=0)
+        codes = tl.interleave(packed >> 4, packed & 15)
+        gs = tl.load(gs_ptr).to(tl.float32)
+        total = gs * tl.load(bs_ptr + soffs, mask=smask, other=0.0).to(tl.float32)
+        total = tl.reshape(tl.broadcast_to(total[:, :, None], (BM, BN // 16, 16)), (BM, BN))
+        w = _e2m1_decode(codes) * total
+        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        if REQUANT:   # comfy_kitchen's quantize_nvfp4, step by step
+            new_gs = tl.load(new_gs_ptr)
+            w3 = tl.reshape(w, (BM, BN // 16, 16))
+            block = tl.math.div_rn(tl.max(tl.abs(w3), axis=2), 6.0)
+            block = tl.minimum(tl.math.div_rn(block, new_gs), 448.0)
+            block8 = block.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+            total = new_gs * block8.to(tl.float32)
+            zero = total == 0.0
+            d = tl.math.div_rn(w3, tl.where(zero, 1.0, total)[:, :, None])
+            d = tl.clamp(tl.where(zero[:, :, None], 0.0, d), -6.0, 6.0)
+            codes = _e2m1_encode(tl.reshape(d, (BM, BN)))
+            hi, lo = tl.split(tl.reshape(codes, (BM, BN // 2, 2)))
+            tl.store(q_ptr + qoffs, (hi << 4) | lo, mask=qmask)
+            tl.store(bs_ptr + soffs, block8, mask=smask)
+        else:
+            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+
+
 def _usable(name: str, w: torch.Tensor, pairs: Pairs) -> bool:
     return ((name, w.device) not in _FAILED and w.dim() == 2 and w.is_contiguous()
             and pairs.up.shape[0] == w.shape[0] and pairs.down.shape[1] == w.shape[1])
@@ -141,6 +200,40 @@ def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: flo
         _failed("fp8", q, e)
         return False
     _BUILT.add((q.dtype, q.device))
+    scale.copy_(new.reshape(scale.shape))
+    return True
+
+
+def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Tensor, pairs: Pairs,
+                max_value: float, min_scale: float) -> bool:
+    """Dequantize comfy_kitchen's nvfp4 (qdata, global scale, blocked block scales), add the
+    pairs' delta and requantize in place as comfy_kitchen's quantize_nvfp4 does, with a fresh
+    global scale amax / max_value (at least `min_scale`). False (nothing changed) where the
+    kernel cannot run or the tensors are not laid out as expected."""
+    m, half = qdata.shape if qdata.dim() == 2 else (0, 0)
+    n = 2 * half
+    groups = -(-(n // 16) // 4)
+    if (qdata.dtype != torch.uint8 or n % 16 or scale.numel() != 1 or not block_scale.is_contiguous()
+            or block_scale.dtype != torch.float8_e4m3fn or block_scale.numel() != -(-m // 128) * 128 * groups * 4
+            or pairs.up.shape[0] != m or pairs.down.shape[1] != n
+            or ("nvfp4", qdata.device) in _FAILED or not qdata.is_contiguous()):
+        return False
+    amax = torch.zeros((), dtype=torch.float32, device=qdata.device)
+    bm, bn = 128, 64
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    args = (pairs.up, pairs.down, pairs.scales, m, n, groups)
+    try:
+        _nvfp4_kernel[grid](qdata, block_scale, scale, amax, amax, *args, RANK=pairs.rank, REQUANT=False,
+                            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=4)
+        new = (amax / max_value).clamp_min(min_scale)
+        _nvfp4_kernel[grid](qdata, block_scale, scale, new, amax, *args, RANK=pairs.rank, REQUANT=True,
+                            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=4)
+    except Exception as e:   # noqa: BLE001
+        if (torch.uint8, qdata.device) in _BUILT:
+            raise
+        _failed("nvfp4", qdata, e)
+        return False
+    _BUILT.add((torch.uint8, qdata.device))
     scale.copy_(new.reshape(scale.shape))
     return True
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ringswap.lora import kernels
-from ringswap.lora.fold import MIN_SCALE, _KitchenOp, _ScaledFp8Op, _kitchen_from_float
+from ringswap.lora.fold import MIN_SCALE, NVFP4_MAX, _KitchenOp, _ScaledFp8Op, _kitchen_from_float
 from test_lora_quant import assert_fp8_close
 
 pytestmark = pytest.mark.gpu
@@ -73,6 +73,46 @@ def test_add_pairs_equals_op_by_op(shape, ranks, ldtype):
     assert amax.item() == got.abs().amax().item()
 
 
+def eager_nvfp4(w, scale=None):
+    from comfy_kitchen.registry import registry
+    from comfy_kitchen.tensor import QuantizedTensor
+    with registry.use_backend("eager"):
+        kw = {} if scale is None else {"scale": scale}
+        return QuantizedTensor.from_float(w, "TensorCoreNVFP4Layout", **kw)
+
+
+def nvfp4_values(qdata, scale, block_scale):
+    from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
+    return dequantize_nvfp4(qdata, scale.float(), block_scale, torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(256, 192), (208, 176), (5120, 13824)])
+def test_fold_nvfp4_quantizes_as_comfy_kitchen(shape):
+    """With a zero LoRA the kernel requantizes the dequantized weight exactly as
+    comfy_kitchen's quantize_nvfp4 (eager, float32) does; with a LoRA it matches
+    requantize(dequantize + delta) up to the float32 summation order."""
+    m, n = shape
+    q = eager_nvfp4(torch.randn(m, n, device=DEV) * 0.02)
+    p = q._params
+    base = nvfp4_values(q._qdata, p.scale, p.block_scale)
+    for scale in (0.0, 0.8):
+        pairs = [(u, d, scale) for u, d, _ in make_pairs(m, n, (64,), torch.bfloat16, 3)]
+        want_w = reference_add(base, pairs)
+        want = eager_nvfp4(want_w, (want_w.abs().amax() / NVFP4_MAX).clamp_min(MIN_SCALE))
+        qd, gs, bs = q._qdata.clone(), p.scale.clone(), p.block_scale.clone()
+        assert kernels.fold_nvfp4_(qd, gs, bs, kernels.Pairs(pairs, DEV), NVFP4_MAX, MIN_SCALE)
+        got_v = nvfp4_values(qd, gs, bs)
+        want_v = nvfp4_values(want._qdata, want._params.scale, want._params.block_scale)
+        if scale == 0.0:
+            assert torch.equal(gs.reshape(()), want._params.scale.reshape(()))
+            assert torch.equal(bs.view(torch.uint8), want._params.block_scale.view(torch.uint8))
+            assert torch.equal(got_v, want_v)   # codes may differ only as +0 / -0
+        else:
+            assert abs(gs.item() / want._params.scale.item() - 1) < 1e-6
+            assert (qd == want._qdata).float().mean().item() > 0.999
+            assert ((got_v - want_v).norm() / want_v.norm()).item() < 1e-3
+
+
 def test_ops_use_the_kernels_and_match_the_op_by_op_fold(monkeypatch):
     """_ScaledFp8Op and _KitchenOp (nvfp4) on CUDA: fused result == op-by-op result within a
     requantization step."""
@@ -112,4 +152,4 @@ def test_ops_use_the_kernels_and_match_the_op_by_op_fold(monkeypatch):
     assert abs(fused[1].item() / plain[1].item() - 1) < 1e-6
     assert (fused[0] == plain[0]).float().mean().item() > 0.999
     assert not torch.equal(fused[0], q._qdata), "the LoRA changed nothing"
-    assert (torch.float32, fused[0].device) in kernels._BUILT, "the fused add kernel did not run"
+    assert (torch.uint8, fused[0].device) in kernels._BUILT, "the fused nvfp4 kernel did not run"
