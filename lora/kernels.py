@@ -30,7 +30,7 @@ except ImportError:   # CPU-only torch: the callers fold op by op
 
 _FAILED: set = set()   # (kernel, device) pairs that failed to build or run
 _BUILT: set = set()    # (dtype, device) where a kernel ran: a later failure is a real error
-BM, BN = 128, 128
+TILES = {"fp8": (128, 128, 8), "add": (128, 128, 8), "nvfp4": (128, 64, 4)}   # rows, columns, warps
 
 
 def enabled(device: torch.device) -> bool:
@@ -186,14 +186,15 @@ def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: flo
     m, n = q.shape
     fmax = torch.finfo(q.dtype).max
     amax = torch.zeros((), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(m, BM), triton.cdiv(n, BN))
+    bm, bn, warps = TILES["fp8"]
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     args = (pairs.up, pairs.down, pairs.scales, m, n, fmax)
     try:
-        _fp8_kernel[grid](q, scale, amax, amax, *args, RANK=pairs.rank, REQUANT=False, BM=BM, BN=BN, BR=pairs.br,
-                          PREC=pairs.prec, num_warps=8)
+        _fp8_kernel[grid](q, scale, amax, amax, *args, RANK=pairs.rank, REQUANT=False, BM=bm, BN=bn, BR=pairs.br,
+                          PREC=pairs.prec, num_warps=warps)
         new = (amax / fmax).clamp_min(min_scale)
-        _fp8_kernel[grid](q, scale, new, amax, *args, RANK=pairs.rank, REQUANT=True, BM=BM, BN=BN, BR=pairs.br,
-                          PREC=pairs.prec, num_warps=8)
+        _fp8_kernel[grid](q, scale, new, amax, *args, RANK=pairs.rank, REQUANT=True, BM=bm, BN=bn, BR=pairs.br,
+                          PREC=pairs.prec, num_warps=warps)
     except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
         if (q.dtype, q.device) in _BUILT:
             raise
@@ -219,15 +220,15 @@ def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Ten
             or ("nvfp4", qdata.device) in _FAILED or not qdata.is_contiguous()):
         return False
     amax = torch.zeros((), dtype=torch.float32, device=qdata.device)
-    bm, bn = 128, 64
+    bm, bn, warps = TILES["nvfp4"]
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     args = (pairs.up, pairs.down, pairs.scales, m, n, groups)
     try:
         _nvfp4_kernel[grid](qdata, block_scale, scale, amax, amax, *args, RANK=pairs.rank, REQUANT=False,
-                            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=4)
+                            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps)
         new = (amax / max_value).clamp_min(min_scale)
         _nvfp4_kernel[grid](qdata, block_scale, scale, new, amax, *args, RANK=pairs.rank, REQUANT=True,
-                            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=4)
+                            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps)
     except Exception as e:   # noqa: BLE001
         if (torch.uint8, qdata.device) in _BUILT:
             raise
@@ -245,10 +246,11 @@ def add_pairs_(w: torch.Tensor, pairs: Pairs) -> torch.Tensor | None:
         return None
     m, n = w.shape
     amax = torch.zeros((), dtype=torch.float32, device=w.device)
+    bm, bn, warps = TILES["add"]
     try:
-        _add_kernel[(triton.cdiv(m, BM), triton.cdiv(n, BN))](
+        _add_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             w, amax, pairs.up, pairs.down, pairs.scales, m, n, RANK=pairs.rank,
-            BM=BM, BN=BN, BR=pairs.br, PREC=pairs.prec, num_warps=8)
+            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps)
     except Exception as e:   # noqa: BLE001
         if (w.dtype, w.device) in _BUILT:
             raise

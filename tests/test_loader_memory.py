@@ -263,7 +263,7 @@ def test_disk_home_rss_stays_within_bound(big_wan, tmp_path, experts):
         f"child failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     r = json.loads(lines[-1][len("RSS_RESULT "):])
     block = r["block_bytes"]
-    assert block >= 40 * MiB, f"blocks of {block / MiB:.1f} MiB in RAM: too small to measure"
+    assert block >= 20e6, f"blocks of {block / MiB:.1f} MiB in RAM: below the issue's 20 MB"
     assert r["bytes_read"] > 0
     bound_n = RSS_WINDOW + RSS_PREFETCH + RSS_WORKERS
     bound = bound_n * block

@@ -1,0 +1,98 @@
+"""Time lora/kernels.py's fused folds per Wan-14B block (10 Linears, rank-64 bf16 LoRA) for
+several tile shapes, and check each fp8 type against the op-by-op fold (mismatch counts).
+No ComfyUI needed. Usage: python bench/fold_kernels.py [--reps 5]"""
+import argparse
+import importlib.util
+import os
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+spec = importlib.util.spec_from_file_location("kernels", os.path.join(HERE, "..", "lora", "kernels.py"))
+K = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(K)
+DEV = torch.device("cuda")
+SHAPES = [(5120, 5120)] * 8 + [(13824, 5120), (5120, 13824)]
+CONFIGS = {"fp8": [(128, 128, 8), (128, 128, 4), (64, 128, 4), (128, 256, 8), (256, 128, 8), (64, 64, 4)],
+           "nvfp4": [(128, 64, 4), (128, 128, 8), (128, 128, 4), (64, 128, 4), (64, 64, 4), (128, 256, 8),
+                     (256, 64, 8), (32, 128, 4)]}
+
+
+def lora(m, n, g):
+    return [((torch.randn(m, 64, device=DEV, generator=g) * .05).bfloat16(),
+             (torch.randn(64, n, device=DEV, generator=g) * .05).bfloat16(), 0.7)]
+
+
+def timed(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def check_fp8(qdtype, g):
+    m = n = 5120
+    w0 = torch.randn(m, n, device=DEV, generator=g) * 0.03
+    fmax = torch.finfo(qdtype).max
+    s = (w0.abs().amax() / fmax).reshape(())
+    q = (w0 / s).to(qdtype)
+    pairs = lora(m, n, g)
+    want = q.float() * s
+    want.addmm_(pairs[0][0].float(), pairs[0][1].float(), alpha=pairs[0][2])
+    ws = (want.abs().amax() / fmax).clamp_min(1e-12)
+    x = want / ws
+    wq = x.clamp(-fmax, fmax).to(qdtype)
+    gq, gs = q.clone(), s.clone()
+    assert K.fold_fp8_(gq, gs, K.Pairs(pairs, DEV), 1e-12)
+    gf, wf = gq.float(), wq.float()
+    bad = (gf - wf).abs() > wf.abs() * torch.finfo(qdtype).eps + 1e-5
+    print(f"{qdtype}: scale {gs.item():.6e} vs {ws.item():.6e}; differing codes {(gf != wf).sum().item()}, "
+          f"more than one step {bad.sum().item()}, nan {gf.isnan().sum().item()}, inf {gf.isinf().sum().item()}")
+    for i, j in bad.nonzero()[:6].tolist():
+        print(f"   [{i},{j}] w/scale {x[i, j].item():.6f}: kernel {gf[i, j].item()}, torch {wf[i, j].item()}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for qdtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        check_fp8(qdtype, g)
+    weights = []
+    for m, n in SHAPES:
+        w = torch.randn(m, n, device=DEV, generator=g) * 0.03
+        s = (w.abs().amax() / 448.0).reshape(())
+        nv_scale = (w.abs().amax() / 2688.0).reshape(())
+        from comfy_kitchen.registry import registry
+        from comfy_kitchen.tensor import QuantizedTensor
+        with registry.use_backend("eager"):
+            nv = QuantizedTensor.from_float(w, "TensorCoreNVFP4Layout", scale=nv_scale)
+        weights.append({"fp8": ((w / s).to(torch.float8_e4m3fn), s.clone()),
+                        "nvfp4": (nv._qdata, nv._params.scale.float().clone(), nv._params.block_scale),
+                        "pairs": K.Pairs(lora(m, n, g), DEV)})
+        del w
+    for kind, configs in CONFIGS.items():
+        for cfg in configs:
+            K.TILES[kind] = cfg
+
+            def block():
+                for wt in weights:
+                    if kind == "fp8":
+                        assert K.fold_fp8_(*wt["fp8"], wt["pairs"], 1e-12)
+                    else:
+                        assert K.fold_nvfp4_(*wt["nvfp4"], wt["pairs"], 2688.0, 1e-12)
+            try:
+                print(f"{kind} tile {cfg}: {timed(block, a.reps):.2f} ms per Wan-14B block", flush=True)
+            except Exception as e:   # noqa: BLE001
+                print(f"{kind} tile {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                K._FAILED.clear()
+
+
+if __name__ == "__main__":
+    main()
