@@ -83,7 +83,14 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=5120)
     ap.add_argument("--ffn", type=int, default=13824)
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--tiles", nargs="*", default=[],
+                    help="kernel tile shapes, e.g. fp8=64,64,4 nvfp4=64,64,4 (rows, columns, warps)")
     a = ap.parse_args()
+    from ringswap.lora import kernels
+    for t in a.tiles:
+        kind, cfg = t.split("=")
+        kernels.TILES[kind] = tuple(int(x) for x in cfg.split(","))
+    print(f"fused kernel tiles: {kernels.TILES}", flush=True)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     import quant_files as qf   # tests/support, on sys.path through stream.py
     S._install_nvfp4_fallback(qf)

@@ -14,9 +14,10 @@ K = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(K)
 DEV = torch.device("cuda")
 SHAPES = [(5120, 5120)] * 8 + [(13824, 5120), (5120, 13824)]
-CONFIGS = {"fp8": [(128, 128, 8), (128, 128, 4), (64, 128, 4), (128, 256, 8), (256, 128, 8), (64, 64, 4)],
-           "nvfp4": [(128, 64, 4), (128, 128, 8), (128, 128, 4), (64, 128, 4), (64, 64, 4), (128, 256, 8),
-                     (256, 64, 8), (32, 128, 4)]}
+CONFIGS = {"fp8": [(64, 64, 4), (64, 64, 2), (32, 64, 4), (64, 32, 4), (32, 32, 2), (128, 64, 4), (64, 128, 4),
+                   (128, 128, 4)],
+           "nvfp4": [(64, 64, 4), (64, 64, 2), (32, 64, 4), (32, 64, 2), (64, 32, 2), (32, 32, 2), (16, 64, 2),
+                     (128, 32, 4)]}
 
 
 def lora(m, n, g):
@@ -49,7 +50,8 @@ def check_fp8(qdtype, g):
     gq, gs = q.clone(), s.clone()
     assert K.fold_fp8_(gq, gs, K.Pairs(pairs, DEV), 1e-12)
     gf, wf = gq.float(), wq.float()
-    bad = (gf - wf).abs() > wf.abs() * torch.finfo(qdtype).eps + 1e-5
+    bad = (gf - wf).abs() > (wf.abs() * torch.finfo(qdtype).eps
+                             + torch.finfo(qdtype).smallest_normal * torch.finfo(qdtype).eps)
     print(f"{qdtype}: scale {gs.item():.6e} vs {ws.item():.6e}; differing codes {(gf != wf).sum().item()}, "
           f"more than one step {bad.sum().item()}, nan {gf.isnan().sum().item()}, inf {gf.isinf().sum().item()}")
     for i, j in bad.nonzero()[:6].tolist():
@@ -77,6 +79,7 @@ def main():
                         "nvfp4": (nv._qdata, nv._params.scale.float().clone(), nv._params.block_scale),
                         "pairs": K.Pairs(lora(m, n, g), DEV)})
         del w
+    best = {}
     for kind, configs in CONFIGS.items():
         for cfg in configs:
             K.TILES[kind] = cfg
@@ -88,10 +91,14 @@ def main():
                     else:
                         assert K.fold_nvfp4_(*wt["nvfp4"], wt["pairs"], 2688.0, 1e-12)
             try:
-                print(f"{kind} tile {cfg}: {timed(block, a.reps):.2f} ms per Wan-14B block", flush=True)
+                ms = timed(block, a.reps)
+                print(f"{kind} tile {cfg}: {ms:.2f} ms per Wan-14B block", flush=True)
+                if kind not in best or ms < best[kind][0]:
+                    best[kind] = (ms, cfg)
             except Exception as e:   # noqa: BLE001
                 print(f"{kind} tile {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 K._FAILED.clear()
+    print("BEST " + " ".join(f"{k}={','.join(map(str, c))}" for k, (_, c) in best.items()), flush=True)
 
 
 if __name__ == "__main__":

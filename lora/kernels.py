@@ -9,7 +9,7 @@ float32 passes over the block (about 10% of a Wan-14B block's compute at 480p), 
   pass (the nvfp4 fold, between comfy_kitchen's dequantize and quantize).
 Math: products of bf16 (or fp16) LoRA factors are exact in float32 and summed in float32,
 as ComfyUI's float32 `mm` does, in another order; float32 factors use Triton's tf32x3.
-Division and the fp8 cast round to nearest even, as torch does. Where a kernel cannot
+Division and fp8 rounding are to nearest even (subnormals too), as torch does. Where a kernel cannot
 build or run (no Triton, fp8 casts before sm_89), `None` is returned and the caller folds
 op by op; the failure is logged once.
 """
@@ -30,6 +30,7 @@ except ImportError:   # CPU-only torch: the callers fold op by op
 
 _FAILED: set = set()   # (kernel, device) pairs that failed to build or run
 _BUILT: set = set()    # (dtype, device) where a kernel ran: a later failure is a real error
+FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}   # mantissa bits, min exponent
 TILES = {"fp8": (128, 128, 8), "add": (128, 128, 8), "nvfp4": (128, 64, 4)}   # rows, columns, warps
 
 
@@ -79,8 +80,21 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _round_fp8(x, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        """x (float32, within the format's range) rounded to nearest even onto the grid of an
+        fp8 format with MBITS mantissa bits and smallest normal exponent EMIN, subnormals
+        included, sign kept. The cast of the result to fp8 is then exact (Triton's own
+        float32 -> fp8 cast rounds subnormals differently from torch on sm_90)."""
+        bits = x.to(tl.int32, bitcast=True)
+        exp = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
+        step = ((exp - MBITS + 127) << 23).to(tl.float32, bitcast=True)   # powers of two
+        q = tl.abs(x) * ((MBITS - exp + 127) << 23).to(tl.float32, bitcast=True)   # |x| / step, exact
+        r = ((q + 12582912.0) - 12582912.0) * step                      # 1.5 * 2**23: round to even
+        return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _fp8_kernel(q_ptr, s_ptr, new_s_ptr, amax_ptr, up_ptr, down_ptr, scales_ptr, M, N, fmax,
-                    RANK: tl.constexpr, REQUANT: tl.constexpr,
+                    RANK: tl.constexpr, REQUANT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -89,8 +103,8 @@ if triton is not None:
         w = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr).to(tl.float32)
         w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
         if REQUANT:
-            out = tl.clamp(tl.math.div_rn(w, tl.load(new_s_ptr)), -fmax, fmax)
-            tl.store(q_ptr + offs, out.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            out = _round_fp8(tl.clamp(tl.math.div_rn(w, tl.load(new_s_ptr)), -fmax, fmax), MBITS, EMIN)
+            tl.store(q_ptr + offs, out.to(q_ptr.dtype.element_ty), mask=mask)
         else:
             tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(w), 0.0), axis=1), axis=0))
 
@@ -153,8 +167,9 @@ if triton is not None:
             w3 = tl.reshape(w, (BM, BN // 16, 16))
             block = tl.math.div_rn(tl.max(tl.abs(w3), axis=2), 6.0)
             block = tl.minimum(tl.math.div_rn(block, new_gs), 448.0)
-            block8 = block.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-            total = new_gs * block8.to(tl.float32)
+            block = _round_fp8(block, 3, -6)
+            block8 = block.to(tl.float8e4nv)
+            total = new_gs * block
             zero = total == 0.0
             d = tl.math.div_rn(w3, tl.where(zero, 1.0, total)[:, :, None])
             d = tl.clamp(tl.where(zero[:, :, None], 0.0, d), -6.0, 6.0)
@@ -181,19 +196,20 @@ def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: flo
     """q * scale + the pairs' delta, requantized into `q` with a fresh per-tensor scale
     amax / fp8_max (at least `min_scale`) written into `scale`. False (nothing changed)
     where the kernel cannot run."""
-    if not _usable("fp8", q, pairs) or scale.numel() != 1:
+    if not _usable("fp8", q, pairs) or scale.numel() != 1 or q.dtype not in FP8_GRID:
         return False
     m, n = q.shape
     fmax = torch.finfo(q.dtype).max
     amax = torch.zeros((), dtype=torch.float32, device=q.device)
+    mbits, emin = FP8_GRID[q.dtype]
     bm, bn, warps = TILES["fp8"]
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     args = (pairs.up, pairs.down, pairs.scales, m, n, fmax)
     try:
-        _fp8_kernel[grid](q, scale, amax, amax, *args, RANK=pairs.rank, REQUANT=False, BM=bm, BN=bn, BR=pairs.br,
+        _fp8_kernel[grid](q, scale, amax, amax, *args, RANK=pairs.rank, REQUANT=False, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br,
                           PREC=pairs.prec, num_warps=warps)
         new = (amax / fmax).clamp_min(min_scale)
-        _fp8_kernel[grid](q, scale, new, amax, *args, RANK=pairs.rank, REQUANT=True, BM=bm, BN=bn, BR=pairs.br,
+        _fp8_kernel[grid](q, scale, new, amax, *args, RANK=pairs.rank, REQUANT=True, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br,
                           PREC=pairs.prec, num_warps=warps)
     except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
         if (q.dtype, q.device) in _BUILT:
