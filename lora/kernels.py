@@ -29,9 +29,9 @@ except ImportError:   # CPU-only torch: the callers fold op by op
     triton = None
 
 _FAILED: set = set()   # (kernel, device) pairs that failed to build or run
-_BUILT: set = set()    # (dtype, device) where a kernel ran: a later failure is a real error
+_BUILT: set = set()    # (kernel, device) pairs that ran: a later failure is a real error
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}   # mantissa bits, min exponent
-TILES = {"fp8": (128, 128, 8), "add": (128, 128, 8), "nvfp4": (128, 64, 4)}   # rows, columns, warps
+TILES = {"fp8": (64, 64, 4), "add": (128, 128, 8), "nvfp4": (64, 64, 4)}   # rows, columns, warps (bench/fold_kernels.py)
 
 
 def enabled(device: torch.device) -> bool:
@@ -63,6 +63,14 @@ class Pairs:
             k += r
         self.scales = torch.tensor(scales, dtype=torch.float32, device=device)
         self.prec = "tf32x3" if self.dtype == torch.float32 else None
+        # [amax, amax, old scale]: a fold takes its amax in one slot and clears the other for
+        # the next fold, so a fold is two launches and nothing in between
+        self.scratch = torch.zeros(3, dtype=torch.float32, device=device)
+        self._slot = 1
+
+    def next_slot(self) -> int:
+        self._slot ^= 1
+        return self._slot
 
 
 if triton is not None:
@@ -83,8 +91,7 @@ if triton is not None:
     def _round_fp8(x, MBITS: tl.constexpr, EMIN: tl.constexpr):
         """x (float32, within the format's range) rounded to nearest even onto the grid of an
         fp8 format with MBITS mantissa bits and smallest normal exponent EMIN, subnormals
-        included, sign kept. The cast of the result to fp8 is then exact (Triton's own
-        float32 -> fp8 cast rounds subnormals differently from torch on sm_90)."""
+        included, sign kept."""
         bits = x.to(tl.int32, bitcast=True)
         exp = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
         step = ((exp - MBITS + 127) << 23).to(tl.float32, bitcast=True)   # powers of two
@@ -93,20 +100,55 @@ if triton is not None:
         return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _fp8_kernel(q_ptr, s_ptr, new_s_ptr, amax_ptr, up_ptr, down_ptr, scales_ptr, M, N, fmax,
+    def _fp8_decode(byte, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        """fp8 bytes (uint8) of the format (MBITS, EMIN) to float32, exactly, by bit arithmetic
+        (no fp8 type needed: any GPU Triton runs on)."""
+        b = byte.to(tl.int32)
+        e = (b >> MBITS) & ((1 << (7 - MBITS)) - 1)
+        m = b & ((1 << MBITS) - 1)
+        mant = tl.where(e == 0, m, m + (1 << MBITS)).to(tl.float32)
+        unit = (tl.where(e == 0, EMIN, e - 1 + EMIN) - MBITS + 127) << 23
+        val = mant * unit.to(tl.float32, bitcast=True)
+        return tl.where((b & 0x80) != 0, -val, val)
+
+    @triton.jit
+    def _fp8_encode(r, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        """float32 values on the fp8 grid (from _round_fp8) to their fp8 bytes."""
+        bits = r.to(tl.int32, bitcast=True)
+        sign = ((bits >> 24) & 0x80)
+        ex = ((bits >> 23) & 0xFF) - 127
+        normal = ((ex - EMIN + 1) << MBITS) | ((bits >> (23 - MBITS)) & ((1 << MBITS) - 1))
+        inv_unit = tl.full([], (MBITS - EMIN + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
+        smallest_normal = tl.full([], (EMIN + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
+        sub = (tl.minimum(tl.abs(r), smallest_normal) * inv_unit).to(tl.int32)
+        return (tl.where(ex >= EMIN, normal, sub) | sign).to(tl.uint8)
+
+    @triton.jit
+    def _fp8_kernel(q_ptr, s_ptr, scratch_ptr, slot, up_ptr, down_ptr, scales_ptr, M, N, fmax, min_scale,
                     RANK: tl.constexpr, REQUANT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        """Per-tensor scaled fp8 (bytes at q_ptr, scale at s_ptr). Pass 1 takes the amax of the
+        folded weight into scratch[slot] and keeps the old scale in scratch[2]; pass 2 folds
+        again, requantizes in place, writes the new scale and clears scratch[1 - slot]."""
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-        w = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr).to(tl.float32)
+        s = tl.load(scratch_ptr + 2) if REQUANT else tl.load(s_ptr).to(tl.float32)
+        w = _fp8_decode(tl.load(q_ptr + offs, mask=mask, other=0), MBITS, EMIN) * s
         w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
         if REQUANT:
-            out = _round_fp8(tl.clamp(tl.math.div_rn(w, tl.load(new_s_ptr)), -fmax, fmax), MBITS, EMIN)
-            tl.store(q_ptr + offs, out.to(q_ptr.dtype.element_ty), mask=mask)
+            new = tl.maximum(tl.math.div_rn(tl.load(scratch_ptr + slot), fmax), min_scale)
+            out = _round_fp8(tl.clamp(tl.math.div_rn(w, new), -fmax, fmax), MBITS, EMIN)
+            tl.store(q_ptr + offs, _fp8_encode(out, MBITS, EMIN), mask=mask)
+            if first:
+                tl.store(s_ptr, new)
+                tl.store(scratch_ptr + 1 - slot, 0.0)
         else:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(w), 0.0), axis=1), axis=0))
+            tl.atomic_max(scratch_ptr + slot, tl.max(tl.max(tl.where(mask, tl.abs(w), 0.0), axis=1), axis=0))
+            if first:
+                tl.store(scratch_ptr + 2, s)
 
     @triton.jit
     def _add_kernel(w_ptr, amax_ptr, up_ptr, down_ptr, scales_ptr, M, N, RANK: tl.constexpr,
@@ -139,11 +181,13 @@ if triton is not None:
         return tl.where(d.to(tl.int32, bitcast=True) < 0, code | 8, code)
 
     @triton.jit
-    def _nvfp4_kernel(q_ptr, bs_ptr, gs_ptr, new_gs_ptr, amax_ptr, up_ptr, down_ptr, scales_ptr,
-                      M, N, col_groups, RANK: tl.constexpr, REQUANT: tl.constexpr,
+    def _nvfp4_kernel(q_ptr, bs_ptr, gs_ptr, scratch_ptr, slot, up_ptr, down_ptr, scales_ptr,
+                      M, N, col_groups, max_value, min_scale, RANK: tl.constexpr, REQUANT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
         """nvfp4 as comfy_kitchen stores it: two e2m1 codes per byte (high nibble first),
-        one e4m3 scale per 16 values in cuBLAS's blocked layout, a float32 global scale."""
+        one e4m3 scale per 16 values in cuBLAS's blocked layout, a float32 global scale.
+        The passes and the scratch slots are those of _fp8_kernel."""
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
         rb = tl.program_id(1) * (BN // 16) + tl.arange(0, BN // 16)      # 16-value blocks
@@ -157,18 +201,17 @@ if triton is not None:
         smask = rows & (rb[None, :] < N // 16)
         packed = tl.load(q_ptr + qoffs, mask=qmask, other=0)
         codes = tl.interleave(packed >> 4, packed & 15)
-        gs = tl.load(gs_ptr).to(tl.float32)
-        total = gs * tl.load(bs_ptr + soffs, mask=smask, other=0.0).to(tl.float32)
+        gs = tl.load(scratch_ptr + 2) if REQUANT else tl.load(gs_ptr).to(tl.float32)
+        total = gs * _fp8_decode(tl.load(bs_ptr + soffs, mask=smask, other=0), 3, -6)
         total = tl.reshape(tl.broadcast_to(total[:, :, None], (BM, BN // 16, 16)), (BM, BN))
         w = _e2m1_decode(codes) * total
         w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
         if REQUANT:   # comfy_kitchen's quantize_nvfp4, step by step
-            new_gs = tl.load(new_gs_ptr)
+            new_gs = tl.maximum(tl.math.div_rn(tl.load(scratch_ptr + slot), max_value), min_scale)
             w3 = tl.reshape(w, (BM, BN // 16, 16))
             block = tl.math.div_rn(tl.max(tl.abs(w3), axis=2), 6.0)
             block = tl.minimum(tl.math.div_rn(block, new_gs), 448.0)
             block = _round_fp8(block, 3, -6)
-            block8 = block.to(tl.float8e4nv)
             total = new_gs * block
             zero = total == 0.0
             d = tl.math.div_rn(w3, tl.where(zero, 1.0, total)[:, :, None])
@@ -176,14 +219,19 @@ if triton is not None:
             codes = _e2m1_encode(tl.reshape(d, (BM, BN)))
             hi, lo = tl.split(tl.reshape(codes, (BM, BN // 2, 2)))
             tl.store(q_ptr + qoffs, (hi << 4) | lo, mask=qmask)
-            tl.store(bs_ptr + soffs, block8, mask=smask)
+            tl.store(bs_ptr + soffs, _fp8_encode(block, 3, -6), mask=smask)
+            if first:
+                tl.store(gs_ptr, new_gs)
+                tl.store(scratch_ptr + 1 - slot, 0.0)
         else:
-            tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+            tl.atomic_max(scratch_ptr + slot, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
+            if first:
+                tl.store(scratch_ptr + 2, gs)
 
 
-def _usable(name: str, w: torch.Tensor, pairs: Pairs) -> bool:
+def _usable(name: str, w: torch.Tensor, pairs: Pairs | None) -> bool:
     return ((name, w.device) not in _FAILED and w.dim() == 2 and w.is_contiguous()
-            and pairs.up.shape[0] == w.shape[0] and pairs.down.shape[1] == w.shape[1])
+            and (pairs is None or (pairs.up.shape[0] == w.shape[0] and pairs.down.shape[1] == w.shape[1])))
 
 
 def _failed(name: str, w: torch.Tensor, e: Exception) -> None:
@@ -199,26 +247,13 @@ def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: flo
     if not _usable("fp8", q, pairs) or scale.numel() != 1 or q.dtype not in FP8_GRID:
         return False
     m, n = q.shape
-    fmax = torch.finfo(q.dtype).max
-    amax = torch.zeros((), dtype=torch.float32, device=q.device)
     mbits, emin = FP8_GRID[q.dtype]
     bm, bn, warps = TILES["fp8"]
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    args = (pairs.up, pairs.down, pairs.scales, m, n, fmax)
-    try:
-        _fp8_kernel[grid](q, scale, amax, amax, *args, RANK=pairs.rank, REQUANT=False, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br,
-                          PREC=pairs.prec, num_warps=warps)
-        new = (amax / fmax).clamp_min(min_scale)
-        _fp8_kernel[grid](q, scale, new, amax, *args, RANK=pairs.rank, REQUANT=True, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br,
-                          PREC=pairs.prec, num_warps=warps)
-    except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
-        if (q.dtype, q.device) in _BUILT:
-            raise
-        _failed("fp8", q, e)
-        return False
-    _BUILT.add((q.dtype, q.device))
-    scale.copy_(new.reshape(scale.shape))
-    return True
+    args = (q.view(torch.uint8), scale, pairs.scratch, pairs.next_slot(), pairs.up, pairs.down, pairs.scales,
+            m, n, torch.finfo(q.dtype).max, min_scale)
+    return _two_passes("fp8", _fp8_kernel, args, (triton.cdiv(m, bm), triton.cdiv(n, bn)), q,
+                       dict(RANK=pairs.rank, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec,
+                            num_warps=warps))
 
 
 def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Tensor, pairs: Pairs,
@@ -232,26 +267,26 @@ def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Ten
     groups = -(-(n // 16) // 4)
     if (qdata.dtype != torch.uint8 or n % 16 or scale.numel() != 1 or not block_scale.is_contiguous()
             or block_scale.dtype != torch.float8_e4m3fn or block_scale.numel() != -(-m // 128) * 128 * groups * 4
-            or pairs.up.shape[0] != m or pairs.down.shape[1] != n
-            or ("nvfp4", qdata.device) in _FAILED or not qdata.is_contiguous()):
+            or pairs.up.shape[0] != m or pairs.down.shape[1] != n or not _usable("nvfp4", qdata, None)):
         return False
-    amax = torch.zeros((), dtype=torch.float32, device=qdata.device)
     bm, bn, warps = TILES["nvfp4"]
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    args = (pairs.up, pairs.down, pairs.scales, m, n, groups)
+    args = (qdata, block_scale.view(torch.uint8), scale, pairs.scratch, pairs.next_slot(), pairs.up, pairs.down,
+            pairs.scales, m, n, groups, max_value, min_scale)
+    return _two_passes("nvfp4", _nvfp4_kernel, args, (triton.cdiv(m, bm), triton.cdiv(n, bn)), qdata,
+                       dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps))
+
+
+def _two_passes(name: str, kernel, args: tuple, grid: tuple, target: torch.Tensor, meta: dict) -> bool:
+    """Run a fold kernel's amax pass and its requantize pass; False where it cannot build."""
     try:
-        _nvfp4_kernel[grid](qdata, block_scale, scale, amax, amax, *args, RANK=pairs.rank, REQUANT=False,
-                            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps)
-        new = (amax / max_value).clamp_min(min_scale)
-        _nvfp4_kernel[grid](qdata, block_scale, scale, new, amax, *args, RANK=pairs.rank, REQUANT=True,
-                            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps)
-    except Exception as e:   # noqa: BLE001
-        if (torch.uint8, qdata.device) in _BUILT:
+        kernel[grid](*args, REQUANT=False, **meta)
+        kernel[grid](*args, REQUANT=True, **meta)
+    except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
+        if (name, target.device) in _BUILT:
             raise
-        _failed("nvfp4", qdata, e)
+        _failed(name, target, e)
         return False
-    _BUILT.add((torch.uint8, qdata.device))
-    scale.copy_(new.reshape(scale.shape))
+    _BUILT.add((name, target.device))
     return True
 
 
@@ -268,10 +303,10 @@ def add_pairs_(w: torch.Tensor, pairs: Pairs) -> torch.Tensor | None:
             w, amax, pairs.up, pairs.down, pairs.scales, m, n, RANK=pairs.rank,
             BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps)
     except Exception as e:   # noqa: BLE001
-        if (w.dtype, w.device) in _BUILT:
+        if ("add", w.device) in _BUILT:
             raise
         _failed("add", w, e)
         return None
-    _BUILT.add((w.dtype, w.device))
+    _BUILT.add(("add", w.device))
     return amax
 

@@ -136,7 +136,7 @@ def test_ops_use_the_kernels_and_match_the_op_by_op_fold(monkeypatch):
     monkeypatch.delenv("RINGSWAP_FUSED_KERNELS")
     assert abs(fused[1].item() / plain[1].item() - 1) < 1e-6
     assert_fp8_close(fused[0], plain[0], "fp8 op")
-    assert (torch.float8_e4m3fn, fused[0].device) in kernels._BUILT, "the fused fp8 kernel did not run"
+    assert ("fp8", fused[0].device) in kernels._BUILT, "the fused fp8 kernel did not run"
 
     q = _kitchen_from_float(w0, "TensorCoreNVFP4Layout")
     fields = ("scale", "block_scale")
@@ -152,4 +152,4 @@ def test_ops_use_the_kernels_and_match_the_op_by_op_fold(monkeypatch):
     assert abs(fused[1].item() / plain[1].item() - 1) < 1e-6
     assert (fused[0] == plain[0]).float().mean().item() > 0.999
     assert not torch.equal(fused[0], q._qdata), "the LoRA changed nothing"
-    assert (torch.uint8, fused[0].device) in kernels._BUILT, "the fused nvfp4 kernel did not run"
+    assert ("nvfp4", fused[0].device) in kernels._BUILT, "the fused nvfp4 kernel did not run"

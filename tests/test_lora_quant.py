@@ -81,7 +81,9 @@ def assert_fp8_close(got, want, what, same=0.999):
     g, w = got.float(), want.float()
     step = torch.finfo(want.dtype).eps   # at most the relative step of a normal value
     tiny = torch.finfo(want.dtype).smallest_normal * step
-    assert ((g - w).abs() <= w.abs() * step + tiny).all(), what
+    off = (g - w).abs() > w.abs() * step + tiny
+    assert not off.any(), (f"{what}: {int(off.sum())} codes more than one step off, e.g. "
+                           f"{list(zip(g[off][:4].tolist(), w[off][:4].tolist()))} (got, want)")
     assert (g == w).float().mean().item() >= same, what
 
 
