@@ -123,7 +123,7 @@ if triton is not None:
         sub = (tl.minimum(tl.abs(r), smallest_normal) * inv_unit).to(tl.int32)
         return (tl.where(ex >= EMIN, normal, sub) | sign).to(tl.uint8)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["slot"])   # one build for both scratch slots
     def _fp8_kernel(q_ptr, s_ptr, scratch_ptr, slot, up_ptr, down_ptr, scales_ptr, M, N, fmax, min_scale,
                     RANK: tl.constexpr, REQUANT: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
@@ -180,7 +180,7 @@ if triton is not None:
                 + (a > 5.0).to(tl.uint8))
         return tl.where(d.to(tl.int32, bitcast=True) < 0, code | 8, code)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["slot"])
     def _nvfp4_kernel(q_ptr, bs_ptr, gs_ptr, scratch_ptr, slot, up_ptr, down_ptr, scales_ptr,
                       M, N, col_groups, max_value, min_scale, RANK: tl.constexpr, REQUANT: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):

@@ -97,10 +97,13 @@ def test_fold_nvfp4_quantizes_as_comfy_kitchen(shape):
     base = nvfp4_values(q._qdata, p.scale, p.block_scale)
     for scale in (0.0, 0.8):
         pairs = [(u, d, scale) for u, d, _ in make_pairs(m, n, (64,), torch.bfloat16, 3)]
-        want_w = reference_add(base, pairs)
+        # the format's definition on the CPU: torch on CUDA divides by a Python number
+        # through its reciprocal, the kernel (like the CPU) divides
+        want_w = reference_add(base, pairs).cpu()
         want = eager_nvfp4(want_w, (want_w.abs().amax() / NVFP4_MAX).clamp_min(MIN_SCALE))
         qd, gs, bs = q._qdata.clone(), p.scale.clone(), p.block_scale.clone()
         assert kernels.fold_nvfp4_(qd, gs, bs, kernels.Pairs(pairs, DEV), NVFP4_MAX, MIN_SCALE)
+        qd, gs, bs = qd.cpu(), gs.cpu(), bs.cpu()
         got_v = nvfp4_values(qd, gs, bs)
         want_v = nvfp4_values(want._qdata, want._params.scale, want._params.block_scale)
         if scale == 0.0:
