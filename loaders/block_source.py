@@ -21,6 +21,13 @@ from .block_reader import BlockReader
 from .safetensors_index import SafetensorsIndex
 
 
+SMALL_CAST = 1 << 20   # cast tensors up to this size are read together with the block
+
+
+def _cast_into(dest: torch.Tensor, e, raw: torch.Tensor, info) -> None:
+    dest[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(raw.view(info.dtype).view(info.shape))
+
+
 class BlockSource:
     def __init__(self, index: SafetensorsIndex, reader: BlockReader, blocks: list[nn.Module],
                  block_keys: list[str]):
@@ -66,12 +73,34 @@ class BlockSource:
         return self._cast_pool.submit(self._read_with_casts, block, dest)
 
     def _read_with_casts(self, block: int, dest: torch.Tensor) -> int:
-        n = self.reader.read_into(dest, self.direct[block]).result() if self.direct[block] else 0
-        for info, e in self.cast[block]:
-            tmp = torch.empty(info.nbytes, dtype=torch.uint8)
-            n += self.reader.read_into(tmp, [(info.start, info.nbytes, 0)]).result()
-            dest[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(
-                tmp.view(info.dtype).view(info.shape))
+        """The small tensors to cast (biases, norms: up to SMALL_CAST bytes each) are read
+        together with the direct ranges, into one staging buffer; the large ones after, one
+        at a time, so host memory for casts stays one large tensor."""
+        small = [(info, e) for info, e in self.cast[block] if info.nbytes <= SMALL_CAST]
+        large = [(info, e) for info, e in self.cast[block] if info.nbytes > SMALL_CAST]
+        offsets, total = [], 0
+        for info, _ in small:
+            offsets.append(total)
+            total += info.nbytes
+        tmp = torch.empty(total, dtype=torch.uint8)
+        futures = [self.reader.read_into(tmp, [(info.start, info.nbytes, off)
+                                              for (info, _), off in zip(small, offsets)])]
+        if self.direct[block]:
+            futures.append(self.reader.read_into(dest, self.direct[block]))
+        n, error = 0, None
+        for f in futures:   # wait for every read before raising: nothing may write into dest after
+            try:
+                n += f.result()
+            except BaseException as e:   # noqa: BLE001
+                error = error or e
+        if error is not None:
+            raise error
+        for (info, e), off in zip(small, offsets):
+            _cast_into(dest, e, tmp[off:off + info.nbytes], info)
+        for info, e in large:
+            big = torch.empty(info.nbytes, dtype=torch.uint8)
+            n += self.reader.read_into(big, [(info.start, info.nbytes, 0)]).result()
+            _cast_into(dest, e, big, info)
         return n
 
     def close(self) -> None:
