@@ -1,17 +1,20 @@
-"""Fused LoRA folds on CUDA (Triton): fp8 dequantize + LoRA + requantize, and LoRA + amax.
+"""Fused LoRA folds on CUDA (Triton): quantized weight + LoRA pairs -> requantized weight.
 
 Why our own kernels: neither torch, ComfyUI nor comfy_kitchen has an op that adds low-rank
 products to a quantized weight. Op by op, folding a per-tensor-scaled fp8 weight is five
 float32 passes over the block (about 10% of a Wan-14B block's compute at 480p), so:
-- `fold_fp8_` reads the fp8 bytes twice (once for the new amax, once to requantize in
-  place), recomputing the rank-r product per tile from LoRA factors that stay in L2;
-- `add_pairs_` adds the pairs to a float32 weight in place and returns its amax in the same
-  pass (the nvfp4 fold, between comfy_kitchen's dequantize and quantize).
+- `fold_fp8_` (per-tensor scaled fp8) and `fold_nvfp4_` (comfy_kitchen's nvfp4 layout) read
+  the quantized bytes twice, once for the folded weight's amax and once to requantize in
+  place with the fresh scales, recomputing the rank-r product per tile from LoRA factors
+  that stay in L2;
+- `add_pairs_` adds the pairs to a float32 weight in place and returns its amax (other
+  comfy_kitchen layouts, between their dequantize and quantize).
 Math: products of bf16 (or fp16) LoRA factors are exact in float32 and summed in float32,
 as ComfyUI's float32 `mm` does, in another order; float32 factors use Triton's tf32x3.
-Division and fp8 rounding are to nearest even (subnormals too), as torch does. Where a kernel cannot
-build or run (no Triton, fp8 casts before sm_89), `None` is returned and the caller folds
-op by op; the failure is logged once.
+Division and fp8 rounding are to nearest even, subnormals included, as torch (CPU) and
+comfy_kitchen's quantize do; fp8 is coded by bit arithmetic, so no fp8 type is needed.
+Where a kernel cannot build or run, the caller is told (False / None) and folds op by op;
+the failure is logged once.
 """
 from __future__ import annotations
 
