@@ -16,7 +16,9 @@ from .patch import PIN_TIP, PREFETCH_TIP, WINDOW_TIP
 HOME_TIP = ("Where blocks that are not on the GPU live. ram: read once into (pinned) host RAM at load, "
             "then streamed to the GPU; needs RAM for the whole model. disk: read from the file ahead "
             "of need on every step; host RAM stays at a few blocks, speed is bound by the disk.")
-WORKERS_TIP = "Reader threads for the file (positioned reads, one file handle each)."
+WORKERS_TIP = ("Reader threads for the file (positioned reads, one file handle each). More helps on NVMe; "
+               "a disk that reads slower with parallel streams (HDD, some network/virtual disks) may do "
+               "better with 1-2. With home=disk, host RAM for blocks is about this many blocks.")
 
 
 # Loaded files, by identity and home: changing window/prefetch/pin_memory re-runs the node

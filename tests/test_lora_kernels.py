@@ -156,3 +156,27 @@ def test_ops_use_the_kernels_and_match_the_op_by_op_fold(monkeypatch):
     assert (fused[0] == plain[0]).float().mean().item() > 0.999
     assert not torch.equal(fused[0], q._qdata), "the LoRA changed nothing"
     assert ("nvfp4", fused[0].device) in kernels._BUILT, "the fused nvfp4 kernel did not run"
+
+
+def test_kitchen_fp8_layout_op_uses_the_add_kernel(monkeypatch):
+    """comfy_kitchen's fp8 layout (newer ComfyUI): dequantize, add_pairs_ (LoRA + amax in
+    one pass), quantize; equal to the op-by-op fold within a requantization step."""
+    import comfy.weight_adapter.lora as wl
+    m, n, r = 512, 768, 32
+    up, down = (torch.randn(m, r) * 0.05).bfloat16(), (torch.randn(r, n) * 0.05).bfloat16()
+    patch = wl.LoRAAdapter({"up", "down"}, (up, down, torch.tensor(16.0), None, None, None))
+    plist = ((0.8, patch, 1.0, None, None),)
+    q = _kitchen_from_float(torch.randn(m, n, device=DEV) * 0.03, "TensorCoreFP8Layout")
+
+    def parts():
+        return [q._qdata.clone(), q._params.scale.clone()]
+
+    fused, plain = parts(), parts()
+    _KitchenOp("k.weight", plist, range(2), "TensorCoreFP8Layout", q._params, ("scale",))(fused)
+    monkeypatch.setenv("RINGSWAP_FUSED_KERNELS", "0")
+    _KitchenOp("k.weight", plist, range(2), "TensorCoreFP8Layout", q._params, ("scale",))(plain)
+    monkeypatch.delenv("RINGSWAP_FUSED_KERNELS")
+    assert abs(fused[1].item() / plain[1].item() - 1) < 1e-6
+    assert_fp8_close(fused[0], plain[0], "kitchen fp8 op")
+    assert not torch.equal(fused[0], q._qdata), "the LoRA changed nothing"
+    assert ("add", fused[0].device) in kernels._BUILT, "the fused add kernel did not run"
