@@ -10,6 +10,7 @@ as with ComfyUI's non-strict loading; any other missing tensor is an error.
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -61,8 +62,12 @@ class BlockSource:
             self.direct.append(direct)
             self.cast.append(cast)
             self.constants.append(constants)
-        self._cast_pool = ThreadPoolExecutor(1, thread_name_prefix="ringswap-cast") \
+        # one thread per reader worker: blocks read ahead in parallel also when they hold
+        # tensors to cast (a single thread here read such blocks one at a time)
+        self._cast_pool = ThreadPoolExecutor(reader.workers, thread_name_prefix="ringswap-cast") \
             if any(self.cast) else None
+        self._large_cast = threading.Lock()   # guards _large_buf: large casts one at a time
+        self._large_buf = torch.empty(0, dtype=torch.uint8)
 
     def read(self, block: int, dest: torch.Tensor) -> Future:
         """Fill `dest` (uint8, the block's layout) from the file; a Future of bytes read."""
@@ -75,7 +80,7 @@ class BlockSource:
     def _read_with_casts(self, block: int, dest: torch.Tensor) -> int:
         """The small tensors to cast (biases, norms: up to SMALL_CAST bytes each) are read
         together with the direct ranges, into one staging buffer; the large ones after, one
-        at a time, so host memory for casts stays one large tensor."""
+        at a time across all blocks through one reused buffer."""
         small = [(info, e) for info, e in self.cast[block] if info.nbytes <= SMALL_CAST]
         large = [(info, e) for info, e in self.cast[block] if info.nbytes > SMALL_CAST]
         offsets, total = [], 0
@@ -98,9 +103,12 @@ class BlockSource:
         for (info, e), off in zip(small, offsets):
             _cast_into(dest, e, tmp[off:off + info.nbytes], info)
         for info, e in large:
-            big = torch.empty(info.nbytes, dtype=torch.uint8)
-            n += self.reader.read_into(big, [(info.start, info.nbytes, 0)]).result()
-            _cast_into(dest, e, big, info)
+            with self._large_cast:   # one reused buffer: host memory for casts stays one tensor
+                if self._large_buf.numel() < info.nbytes:
+                    self._large_buf = torch.empty(info.nbytes, dtype=torch.uint8)
+                big = self._large_buf[:info.nbytes]
+                n += self.reader.read_into(big, [(info.start, info.nbytes, 0)]).result()
+                _cast_into(dest, e, big, info)
         return n
 
     def close(self) -> None:
