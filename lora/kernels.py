@@ -104,27 +104,19 @@ if triton is not None:
 
     @triton.jit
     def _fp8_decode(byte, MBITS: tl.constexpr, EMIN: tl.constexpr):
-        """fp8 bytes (uint8) of the format (MBITS, EMIN) to float32, exactly, by bit arithmetic
-        (no fp8 type needed: any GPU Triton runs on)."""
-        b = byte.to(tl.int32)
-        e = (b >> MBITS) & ((1 << (7 - MBITS)) - 1)
-        m = b & ((1 << MBITS) - 1)
-        mant = tl.where(e == 0, m, m + (1 << MBITS)).to(tl.float32)
-        unit = (tl.where(e == 0, EMIN, e - 1 + EMIN) - MBITS + 127) << 23
-        val = mant * unit.to(tl.float32, bitcast=True)
-        return tl.where((b & 0x80) != 0, -val, val)
+        """fp8 bytes (uint8) to float32, exactly: the byte's exponent and mantissa bits placed
+        in a float16 (whose range holds every fp8 value, subnormals included), scaled by the
+        power of two between the two biases. No fp8 type needed (any GPU Triton runs on)."""
+        b = byte.to(tl.int16)
+        h = ((b & 0x80) << 8) | ((b & 0x7F) << (10 - MBITS))
+        return h.to(tl.float16, bitcast=True).to(tl.float32) * (2.0 ** (EMIN + 14))
 
     @triton.jit
     def _fp8_encode(r, MBITS: tl.constexpr, EMIN: tl.constexpr):
-        """float32 values on the fp8 grid (from _round_fp8) to their fp8 bytes."""
-        bits = r.to(tl.int32, bitcast=True)
-        sign = ((bits >> 24) & 0x80)
-        ex = ((bits >> 23) & 0xFF) - 127
-        normal = ((ex - EMIN + 1) << MBITS) | ((bits >> (23 - MBITS)) & ((1 << MBITS) - 1))
-        inv_unit = tl.full([], (MBITS - EMIN + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
-        smallest_normal = tl.full([], (EMIN + 127) << 23, tl.int32).to(tl.float32, bitcast=True)
-        sub = (tl.minimum(tl.abs(r), smallest_normal) * inv_unit).to(tl.int32)
-        return (tl.where(ex >= EMIN, normal, sub) | sign).to(tl.uint8)
+        """float32 values on the fp8 grid (from _round_fp8) to their fp8 bytes: the inverse of
+        _fp8_decode (the float16 is exact, every value being on the grid)."""
+        h = (r * (2.0 ** (-EMIN - 14))).to(tl.float16).to(tl.int16, bitcast=True)
+        return (((h >> 8) & 0x80) | ((h >> (10 - MBITS)) & 0x7F)).to(tl.uint8)
 
     @triton.jit(do_not_specialize=["slot"])   # one build for both scratch slots
     def _fp8_kernel(q_ptr, s_ptr, scratch_ptr, slot, up_ptr, down_ptr, scales_ptr, M, N, fmax, min_scale,

@@ -180,3 +180,28 @@ def test_kitchen_fp8_layout_op_uses_the_add_kernel(monkeypatch):
     assert_fp8_close(fused[0], plain[0], "kitchen fp8 op")
     assert not torch.equal(fused[0], q._qdata), "the LoRA changed nothing"
     assert ("add", fused[0].device) in kernels._BUILT, "the fused add kernel did not run"
+
+
+if kernels.triton is not None:
+    import triton.language as tl
+
+    @kernels.triton.jit
+    def _fp8_roundtrip(b_ptr, v_ptr, o_ptr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+        i = tl.arange(0, 256)
+        v = kernels._fp8_decode(tl.load(b_ptr + i), MBITS, EMIN)
+        tl.store(v_ptr + i, v)
+        tl.store(o_ptr + i, kernels._fp8_encode(kernels._round_fp8(v, MBITS, EMIN), MBITS, EMIN))
+
+
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_coding_is_exact_for_every_code(qdtype):
+    """Every finite fp8 code decodes to torch's value and encodes back to itself."""
+    mbits, emin = kernels.FP8_GRID[qdtype]
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    values = torch.empty(256, device=DEV)
+    back = torch.empty(256, dtype=torch.uint8, device=DEV)
+    _fp8_roundtrip[(1,)](codes, values, back, MBITS=mbits, EMIN=emin)
+    want = codes.view(qdtype).float()
+    finite = torch.isfinite(want)
+    assert torch.equal(values[finite], want[finite])
+    assert torch.equal(back[finite], codes[finite])
