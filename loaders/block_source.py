@@ -29,6 +29,17 @@ def _cast_into(dest: torch.Tensor, e, raw: torch.Tensor, info) -> None:
     dest[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(raw.view(info.dtype).view(info.shape))
 
 
+def _plan_casts(cast: list[tuple]) -> tuple[list[tuple], int, list[tuple]]:
+    """A block's tensors to cast, split once: the small ones with their offsets in one
+    staging buffer and its size, and the large ones."""
+    small, total = [], 0
+    for info, e in cast:
+        if info.nbytes <= SMALL_CAST:
+            small.append((info, e, total))
+            total += info.nbytes
+    return small, total, [(info, e) for info, e in cast if info.nbytes > SMALL_CAST]
+
+
 class BlockSource:
     def __init__(self, index: SafetensorsIndex, reader: BlockReader, blocks: list[nn.Module],
                  block_keys: list[str]):
@@ -62,6 +73,7 @@ class BlockSource:
             self.direct.append(direct)
             self.cast.append(cast)
             self.constants.append(constants)
+        self._cast_plan = [_plan_casts(cast) for cast in self.cast]
         # one thread per reader worker: blocks read ahead in parallel also when they hold
         # tensors to cast (a single thread here read such blocks one at a time)
         self._cast_pool = ThreadPoolExecutor(reader.workers, thread_name_prefix="ringswap-cast") \
@@ -81,15 +93,9 @@ class BlockSource:
         """The small tensors to cast (biases, norms: up to SMALL_CAST bytes each) are read
         together with the direct ranges, into one staging buffer; the large ones after, one
         at a time across all blocks through one reused buffer."""
-        small = [(info, e) for info, e in self.cast[block] if info.nbytes <= SMALL_CAST]
-        large = [(info, e) for info, e in self.cast[block] if info.nbytes > SMALL_CAST]
-        offsets, total = [], 0
-        for info, _ in small:
-            offsets.append(total)
-            total += info.nbytes
-        tmp = torch.empty(total, dtype=torch.uint8)
-        futures = [self.reader.read_into(tmp, [(info.start, info.nbytes, off)
-                                              for (info, _), off in zip(small, offsets)])]
+        small, small_bytes, large = self._cast_plan[block]
+        tmp = torch.empty(small_bytes, dtype=torch.uint8)
+        futures = [self.reader.read_into(tmp, [(info.start, info.nbytes, off) for info, _, off in small])]
         if self.direct[block]:
             futures.append(self.reader.read_into(dest, self.direct[block]))
         n, error = 0, None
@@ -100,7 +106,7 @@ class BlockSource:
                 error = error or e
         if error is not None:
             raise error
-        for (info, e), off in zip(small, offsets):
+        for info, e, off in small:
             _cast_into(dest, e, tmp[off:off + info.nbytes], info)
         for info, e in large:
             with self._large_cast:   # one reused buffer: host memory for casts stays one tensor

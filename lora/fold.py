@@ -28,9 +28,9 @@ round trip, so the fold stays a few % of the block's compute. The result is the 
 rounded once, so it can differ from ComfyUI's (which rounds the product, the scaled
 product and the sum separately) by at most one unit in the last place of the weight's
 dtype. Quantized weights with plain LoRA pairs fold through lora/kernels.py on CUDA (per-
-tensor fp8: dequantize, add and requantize in two passes over the fp8 bytes; kitchen
-layouts: the pairs added to the dequantized float32 weight with its amax in one pass), the
-same math summed in another order. On the CPU the fold follows ComfyUI's steps exactly.
+tensor fp8 and nvfp4: dequantize, add and requantize in two passes over the quantized
+bytes; other kitchen layouts: the pairs added to the dequantized float32 weight with its
+amax in one pass), the same math summed in another order. On the CPU the fold follows ComfyUI's steps exactly.
 The slot's tensors never change shape or dtype. Like ComfyUI's own loader, the fold
 leaves out patches on buffers and on parameters of non-leaf modules (Wan's
 `blocks.N.modulation`): ComfyUI 0.3.75 and later never apply those either, so results match.
@@ -351,32 +351,36 @@ class _ScaledFp8Op(_Op):
 
 
 class _KitchenOp(_Op):
-    """comfy_kitchen QuantizedTensor: dequantize in float32, patch, from_float."""
+    """comfy_kitchen QuantizedTensor: dequantize in float32, patch, from_float (nvfp4 with
+    plain LoRA pairs on CUDA: one lora/kernels.py fold in place)."""
 
     def __init__(self, key, patches, entries, layout_cls: str, params, fields):
         super().__init__(key, patches)
         self.entries, self.layout_cls, self.params, self.fields = tuple(entries), layout_cls, params, tuple(fields)
+        self._in_place: bool | None = None   # nvfp4 stored unpadded: kernels.fold_nvfp4_ applies
 
     def __call__(self, tensors):
         parts = [tensors[i] for i in self.entries]
-        if self.layout_cls == "TensorCoreNVFP4Layout" and self.fields == ("scale", "block_scale") \
-                and tuple(self.params.orig_shape) == (parts[0].shape[0], 2 * parts[0].shape[1]):
+        if self._in_place is None:
+            self._in_place = (self.layout_cls == "TensorCoreNVFP4Layout" and self.fields == ("scale", "block_scale")
+                              and tuple(self.params.orig_shape) == (parts[0].shape[0], 2 * parts[0].shape[1]))
+        if self._in_place:
             kp = self.kernel_pairs(parts[0])
             if kp is not None and kernels.fold_nvfp4_(parts[0], parts[1], parts[2], kp, NVFP4_MAX, MIN_SCALE):
                 return
         params = dataclasses.replace(self.params, orig_dtype=torch.float32, **dict(zip(self.fields, parts[1:])))
-        w = _kitchen_dequantize(KitchenTensor(parts[0], self.layout_cls, params)).contiguous()
+        q = KitchenTensor(parts[0], self.layout_cls, params)
+        w = _kitchen_eager_fallback("dequantize", self.layout_cls, parts[0].device, q.dequantize).contiguous()
         kp = self.kernel_pairs(w)
         amax = kernels.add_pairs_(w, kp) if kp is not None else None
         out = w if amax is not None else self.add_delta(w)
         kwargs = {}
-        if self.layout_cls == "TensorCoreNVFP4Layout":
+        if self.layout_cls in ("TensorCoreNVFP4Layout", "TensorCoreFP8Layout"):
             amax = out.abs().amax() if amax is None else amax
-            kwargs["scale"] = (amax / NVFP4_MAX).clamp_min(MIN_SCALE)
-        elif self.layout_cls == "TensorCoreFP8Layout":
-            amax = out.abs().amax() if amax is None else amax
-            kwargs["scale"] = (amax / torch.finfo(parts[0].dtype).max).clamp_min(MIN_SCALE)
-            kwargs["dtype"] = parts[0].dtype
+            top = NVFP4_MAX if self.layout_cls == "TensorCoreNVFP4Layout" else torch.finfo(parts[0].dtype).max
+            kwargs["scale"] = (amax / top).clamp_min(MIN_SCALE)
+            if self.layout_cls == "TensorCoreFP8Layout":
+                kwargs["dtype"] = parts[0].dtype
         q = _kitchen_from_float(out, self.layout_cls, **kwargs)
         new = [q._qdata] + [getattr(q._params, f) for f in self.fields]
         for dst, src in zip(parts, new):
@@ -386,39 +390,30 @@ class _KitchenOp(_Op):
             dst.copy_(src.reshape(dst.shape))
 
 
-_KITCHEN_EAGER: set = set()   # (layout, device) where kitchen's default quantize backend failed
+_KITCHEN_EAGER: set = set()   # (what, layout, device) where kitchen's chosen backend failed
 
 
-def _kitchen_dequantize(q):
-    """comfy_kitchen's dequantize to float32; its eager backend where the chosen one cannot
-    do it (e.g. its CUDA kernels take fp16/bf16 outputs only)."""
-    key = (q._layout_cls + ".dequantize", q._qdata.device)
+def _kitchen_eager_fallback(what: str, layout_cls: str, device: torch.device, fn):
+    """fn() with comfy_kitchen's chosen backend; its eager one where that cannot run here
+    (e.g. its triton nvfp4 quantize needs sm_100+, its CUDA kernels take fp16/bf16 only).
+    The failure is logged once per (what, layout, device)."""
+    key = (what, layout_cls, device)
     if key not in _KITCHEN_EAGER:
         try:
-            return q.dequantize()
-        except Exception as e:   # noqa: BLE001
-            log.warning("RingSwap LoRA: comfy_kitchen's %s dequantize failed on %s (%s); using its eager backend",
-                        q._layout_cls, q._qdata.device, str(e).strip().splitlines()[0][:200])
+            return fn()
+        except Exception as e:   # noqa: BLE001 - a backend that cannot compile/run here
+            log.warning("RingSwap LoRA: comfy_kitchen's %s %s failed on %s (%s); using its eager backend",
+                        layout_cls, what, device, str(e).strip().splitlines()[0][:200])
             _KITCHEN_EAGER.add(key)
     from comfy_kitchen.registry import registry
     with registry.use_backend("eager"):
-        return q.dequantize()
+        return fn()
 
 
 def _kitchen_from_float(w: torch.Tensor, layout_cls: str, **kwargs):
-    """comfy_kitchen's quantize; where its chosen backend cannot run on this GPU (e.g. its
-    triton nvfp4 kernel needs sm_100+, so it fails to compile on Hopper), its eager one."""
-    key = (layout_cls, w.device)
-    if key not in _KITCHEN_EAGER:
-        try:
-            return KitchenTensor.from_float(w, layout_cls, **kwargs)
-        except Exception as e:   # noqa: BLE001 - a backend that cannot compile/run here
-            log.warning("RingSwap LoRA: comfy_kitchen's %s quantize failed on %s (%s); using its eager backend",
-                        layout_cls, w.device, str(e).strip().splitlines()[0][:200])
-            _KITCHEN_EAGER.add(key)
-    from comfy_kitchen.registry import registry
-    with registry.use_backend("eager"):
-        return KitchenTensor.from_float(w, layout_cls, **kwargs)
+    """comfy_kitchen's quantize of `w`, with its eager backend as the fallback."""
+    return _kitchen_eager_fallback("quantize", layout_cls, w.device,
+                                   lambda: KitchenTensor.from_float(w, layout_cls, **kwargs))
 
 
 def _make_op(key, patches, layout, attr, attrs_by_name) -> _Op:

@@ -229,12 +229,6 @@ def _usable(name: str, w: torch.Tensor, pairs: Pairs | None) -> bool:
             and (pairs is None or (pairs.up.shape[0] == w.shape[0] and pairs.down.shape[1] == w.shape[1])))
 
 
-def _failed(name: str, w: torch.Tensor, e: Exception) -> None:
-    _FAILED.add((name, w.device))
-    log.warning("RingSwap LoRA: the fused %s fold cannot run on %s (%s); folding op by op instead",
-                name, w.device, str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__)
-
-
 def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: float) -> bool:
     """q * scale + the pairs' delta, requantized into `q` with a fresh per-tensor scale
     amax / fp8_max (at least `min_scale`) written into `scale`. False (nothing changed)
@@ -246,9 +240,9 @@ def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: flo
     bm, bn, warps = TILES["fp8"]
     args = (q.view(torch.uint8), scale, pairs.scratch, pairs.next_slot(), pairs.up, pairs.down, pairs.scales,
             m, n, torch.finfo(q.dtype).max, min_scale)
-    return _two_passes("fp8", _fp8_kernel, args, (triton.cdiv(m, bm), triton.cdiv(n, bn)), q,
-                       dict(RANK=pairs.rank, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec,
-                            num_warps=warps))
+    return _launch("fp8", q, _fp8_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, TWO_PASSES,
+                   dict(RANK=pairs.rank, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec,
+                        num_warps=warps))
 
 
 def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Tensor, pairs: Pairs,
@@ -267,19 +261,25 @@ def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Ten
     bm, bn, warps = TILES["nvfp4"]
     args = (qdata, block_scale.view(torch.uint8), scale, pairs.scratch, pairs.next_slot(), pairs.up, pairs.down,
             pairs.scales, m, n, groups, max_value, min_scale)
-    return _two_passes("nvfp4", _nvfp4_kernel, args, (triton.cdiv(m, bm), triton.cdiv(n, bn)), qdata,
-                       dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps))
+    return _launch("nvfp4", qdata, _nvfp4_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, TWO_PASSES,
+                   dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps))
 
 
-def _two_passes(name: str, kernel, args: tuple, grid: tuple, target: torch.Tensor, meta: dict) -> bool:
-    """Run a fold kernel's amax pass and its requantize pass; False where it cannot build."""
+TWO_PASSES = ({"REQUANT": False}, {"REQUANT": True})   # the amax pass, then the requantize pass
+
+
+def _launch(name: str, target: torch.Tensor, kernel, grid: tuple, args: tuple, passes: tuple, meta: dict) -> bool:
+    """Launch `kernel` once per entry of `passes`; False (logged once, the kernel not tried
+    again on that device) where it cannot build or run. Once it has run, a failure raises."""
     try:
-        kernel[grid](*args, REQUANT=False, **meta)
-        kernel[grid](*args, REQUANT=True, **meta)
+        for extra in passes:
+            kernel[grid](*args, **extra, **meta)
     except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
         if (name, target.device) in _BUILT:
             raise
-        _failed(name, target, e)
+        _FAILED.add((name, target.device))
+        log.warning("RingSwap LoRA: the fused %s fold cannot run on %s (%s); folding op by op instead",
+                    name, target.device, str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__)
         return False
     _BUILT.add((name, target.device))
     return True
@@ -293,15 +293,7 @@ def add_pairs_(w: torch.Tensor, pairs: Pairs) -> torch.Tensor | None:
     m, n = w.shape
     amax = torch.zeros((), dtype=torch.float32, device=w.device)
     bm, bn, warps = TILES["add"]
-    try:
-        _add_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            w, amax, pairs.up, pairs.down, pairs.scales, m, n, RANK=pairs.rank,
-            BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps)
-    except Exception as e:   # noqa: BLE001
-        if ("add", w.device) in _BUILT:
-            raise
-        _failed("add", w, e)
-        return None
-    _BUILT.add(("add", w.device))
-    return amax
-
+    ran = _launch("add", w, _add_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)),
+                  (w, amax, pairs.up, pairs.down, pairs.scales, m, n), ({},),
+                  dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps))
+    return amax if ran else None
