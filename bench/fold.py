@@ -55,12 +55,16 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run(model, inputs, steps: int):
+def run(model, inputs, steps: int, profile: bool = False):
     mm.load_models_gpu([model])
     dm = model.model.diffusion_model
     times = []
+    prof = None
     with torch.no_grad():
         for k in range(steps + 1):
+            if k == 1 and profile and torch.cuda.is_available():
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
             sync()
             t0 = time.perf_counter()
             dm(*inputs)
@@ -69,6 +73,9 @@ def run(model, inputs, steps: int):
                 times.append(time.perf_counter() - t0)
             if k == 0:
                 model.swap_engine.end_run()
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
     stats = model.swap_engine.end_run()
     return sorted(times)[len(times) // 2], stats
 
@@ -83,6 +90,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=5120)
     ap.add_argument("--ffn", type=int, default=13824)
     ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--profile", action="store_true", help="print the device kernels of the LoRA steps")
     ap.add_argument("--tiles", nargs="*", default=[],
                     help="kernel tile shapes, e.g. fp8=64,64,4 nvfp4=64,64,4 (rows, columns, warps)")
     a = ap.parse_args()
@@ -107,11 +115,15 @@ def main() -> None:
         plain_s, _ = run(base, inputs, a.steps)
         mm.unload_all_models()
         patched = comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0]
-        lora_s, st = run(patched, inputs, a.steps)
+        lora_s, st = run(patched, inputs, a.steps, a.profile)
         mm.unload_all_models()
         fold_ms = 1e3 * st.land_s / max(st.forwards, 1)
         block_ms = 1e3 * plain_s / a.blocks
         rows.append((fmt, block_ms, fold_ms, 100 * fold_ms / block_ms, plain_s, lora_s))
+        each = sorted(1e3 * t for t in st.land_times)
+        if each:
+            print(f"{fmt}: fold per landing (ms): median {each[len(each) // 2]:.2f}, min {each[0]:.2f}, "
+                  f"max {each[-1]:.2f} over {len(each)} landings", flush=True)
         print(f"{fmt}: block compute {block_ms:.1f} ms, fold {fold_ms:.2f} ms per block "
               f"({100 * fold_ms / block_ms:.1f}%); step {plain_s:.3f} s -> {lora_s:.3f} s with LoRA; {st.line()}",
               flush=True)

@@ -75,12 +75,15 @@ def main():
             nv = QuantizedTensor.from_float(w, "TensorCoreNVFP4Layout", scale=nv_scale)
         weights.append({"fp8": ((w / s).to(torch.float8_e4m3fn), s.clone()),
                         "nvfp4": (nv._qdata, nv._params.scale.float().clone(), nv._params.block_scale),
-                        "pairs": K.Pairs(lora(m, n, g), DEV)})
+                        "lora": lora(m, n, g)})
         del w
     best = {}
     for kind, configs in CONFIGS.items():
-        for cfg in configs:
-            K.TILES[kind] = cfg
+        for cfg in configs + [cfg + ("br32",) for cfg in configs[:1]]:
+            K.TILES[kind] = cfg[:3]
+            for wt in weights:   # ranks per dot: K.WIDE_BR, or 32 for the "br32" row
+                K.WIDE_BR = 32 if cfg[3:] else 64
+                wt["pairs"] = K.Pairs(wt["lora"], DEV)
 
             def block():
                 for wt in weights:
@@ -91,11 +94,12 @@ def main():
             try:
                 ms = timed(block, a.reps)
                 print(f"{kind} tile {cfg}: {ms:.2f} ms per Wan-14B block", flush=True)
-                if kind not in best or ms < best[kind][0]:
+                if not cfg[3:] and (kind not in best or ms < best[kind][0]):
                     best[kind] = (ms, cfg)
             except Exception as e:   # noqa: BLE001
                 print(f"{kind} tile {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 K._FAILED.clear()
+    K.WIDE_BR = 64
     print("BEST " + " ".join(f"{k}={','.join(map(str, c))}" for k, (_, c) in best.items()), flush=True)
 
 

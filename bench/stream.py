@@ -600,6 +600,44 @@ def unload(mm, patcher, dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def compute_only(patcher, fmt: str, a, dev: torch.device, mm, rows: list, budget: Budget) -> None:
+    """The step time at the home=ram target's token count with every block resident (no
+    streaming, where the device holds the model): the compute bound of that row. When it
+    is longer than the copies of a step, the link cannot reach the pinned rate per step
+    wall time however well the copies overlap."""
+    from ringswap.loaders.swap_patcher import SwapModelPatcher, SwapSettings
+    row = next((r for r in rows if r.get("format") == fmt and r.get("home") == "ram"
+                and r.get("tokens") == a.ram_target_tokens and "error" not in r), None)
+    engine = patcher.swap_engine
+    need = sum(engine.states[i].layout.nbytes for i in range(engine.num_blocks))
+    if row is None or (dev.type == "cuda" and need > 0.8 * torch.cuda.mem_get_info(dev)[0]) \
+            or 3 * row["median_s"] > budget.deadline_left():
+        return
+    mm.unload_all_models()
+    full = SwapModelPatcher.wrap(patcher, SwapSettings(engine.num_blocks, 0, a.pin))
+    mm.load_models_gpu([full])
+    inputs = make_inputs(a.ram_target_tokens, dev, compute_dtype(full, dev), a.ctx_len, a.seed)
+    step_times(full.model.diffusion_model, inputs, 1, dev)
+    times = step_times(full.model.diffusion_model, inputs, max(1, a.steps), dev)
+    engine.end_run()
+    mm.unload_all_models()
+    del full
+    row["compute_only_s"] = statistics.median(times)
+    say(f"  {fmt} home=ram tokens={a.ram_target_tokens}: every block resident (no streaming): "
+        f"{row['compute_only_s']:.3f} s/step vs {row['median_s']:.3f} s streamed")
+
+
+def compute_note(r: dict, h2d: dict) -> str:
+    """What the compute bound of a home=ram row allows the link per step wall time."""
+    c = r.get("compute_only_s")
+    if not c:
+        return ""
+    ceiling = gb(r["bytes_copied"]) / r["steps"] / c / h2d["gbps"]   # a step's bytes in compute-only time
+    return (f"; every block resident (no copies) {c:.3f} s/step, streamed {r['median_s']:.3f} s "
+            f"(+{100 * (r['median_s'] / c - 1):.0f}%): with this compute the link can reach at most "
+            f"{100 * min(1.0, ceiling):.0f}% of pinned per step wall")
+
+
 def run_home(fmt: str, home: str, info: dict, a, dev: torch.device, mm, budget: Budget,
              rows: list, skipped: list, save=lambda: None) -> None:
     from ringswap.loaders.model_loader import load_swapped_model
@@ -728,6 +766,8 @@ def run_home(fmt: str, home: str, info: dict, a, dev: torch.device, mm, budget: 
                     torch.cuda.empty_cache()
         if not is_disk and load_bytes:
             budget.rates["cold_gbps"] = gb(load_bytes) / load_s
+        if not is_disk and a.ram_target_tokens in a.tokens:
+            compute_only(patcher, fmt, a, dev, mm, rows, budget)
     except Exception as e:   # noqa: BLE001
         import traceback
         traceback.print_exc()
@@ -1012,7 +1052,7 @@ def main() -> None:
                                 "what": "host->GPU bytes per step wall / pinned rate", "value": r["h2d_vs_pinned"],
                                 "pass": r["h2d_vs_pinned"] >= a.target,
                                 "note": f"copy stream alone {100 * r['copy_vs_pinned']:.0f}% "
-                                        f"({r['copy_gbps']:.1f} GB/s while copying)"})
+                                        f"({r['copy_gbps']:.1f} GB/s while copying)" + compute_note(r, h2d)})
 
     # ---- report
     print("\n| format | file GB | O_DIRECT GB/s | write GB/s |", flush=True)

@@ -34,6 +34,7 @@ except ImportError:   # CPU-only torch: the callers fold op by op
 _FAILED: set = set()   # (kernel, device) pairs that failed to build or run
 _BUILT: set = set()    # (kernel, device) pairs that ran: a later failure is a real error
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}   # mantissa bits, min exponent
+WIDE_BR = 64   # ranks per dot for 16-bit factors whose ranks allow it (32 otherwise)
 TILES = {"fp8": (64, 64, 4), "add": (128, 128, 8), "nvfp4": (64, 64, 4)}   # rows, columns, warps (bench/fold_kernels.py)
 
 
@@ -45,8 +46,9 @@ def enabled(device: torch.device) -> bool:
 
 class Pairs:
     """LoRA pairs of one weight laid out for the kernels: the ups side by side [M, R] and
-    the downs stacked [R, N], each pair's rank padded with zeros to a multiple of `br`,
-    and one scale (strength * alpha / rank) per `br` ranks, on the device."""
+    the downs stacked [R, N], each pair's rank padded with zeros to a multiple of `br`
+    (the ranks one dot takes), and one scale (strength * alpha / rank) per `br` ranks,
+    on the device."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor, float]], device: torch.device):
         dtypes = {t.dtype for u, d, _ in pairs for t in (u, d)}
@@ -54,6 +56,8 @@ class Pairs:
             else torch.float32
         self.br = 32 if self.dtype != torch.float32 else 16
         ranks = [-(-d.shape[0] // self.br) * self.br for _, d, _ in pairs]
+        if self.dtype != torch.float32 and all(r % WIDE_BR == 0 for r in ranks):
+            self.br = WIDE_BR   # e.g. one rank-64 pair: one dot per tile instead of two
         m, n = pairs[0][0].shape[0], pairs[0][1].shape[1]
         self.rank = sum(ranks)
         self.up = torch.zeros(m, self.rank, dtype=self.dtype, device=device)
@@ -160,20 +164,19 @@ if triton is not None:
 
     @triton.jit
     def _e2m1_decode(code):
-        """fp4 e2m1 codes (uint8, 0..15) to float32: 0, .5, 1, 1.5, 2, 3, 4, 6 and negatives."""
-        e = ((code >> 1) & 3).to(tl.int32)
-        m = (code & 1).to(tl.float32)
-        mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-        return tl.where((code & 8) != 0, -mag, mag)
+        """fp4 e2m1 codes (0..15, any integer type) to float32 / 2**14, exactly: the code's
+        exponent and mantissa bits placed in a float16 (the e2m1 values scaled by 2**-14,
+        subnormals included). The caller folds the 2**14 into the scale."""
+        c = code.to(tl.int16)
+        return (((c & 8) << 12) | ((c & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
     def _e2m1_encode(d):
-        """float32 in [-6, 6] to e2m1 codes, round to nearest even, the sign kept (-0 too)."""
-        a = tl.abs(d)
-        code = ((a > 0.25).to(tl.uint8) + (a >= 0.75).to(tl.uint8) + (a > 1.25).to(tl.uint8)
-                + (a >= 1.75).to(tl.uint8) + (a > 2.5).to(tl.uint8) + (a >= 3.5).to(tl.uint8)
-                + (a > 5.0).to(tl.uint8))
-        return tl.where(d.to(tl.int32, bitcast=True) < 0, code | 8, code)
+        """float32 in [-6, 6] to e2m1 codes, round to nearest even, the sign kept (-0 too):
+        rounded onto the e2m1 grid by _round_fp8 (1 mantissa bit, smallest exponent 0), then
+        the inverse of _e2m1_decode's float16 bit placement."""
+        h = (_round_fp8(d, 1, 0) * (2.0 ** -14)).to(tl.float16).to(tl.int16, bitcast=True)
+        return (((h >> 12) & 8) | ((h >> 9) & 7)).to(tl.uint8)
 
     @triton.jit(do_not_specialize=["slot"])
     def _nvfp4_kernel(q_ptr, bs_ptr, gs_ptr, scratch_ptr, slot, up_ptr, down_ptr, scales_ptr,
@@ -197,7 +200,7 @@ if triton is not None:
         packed = tl.load(q_ptr + qoffs, mask=qmask, other=0)
         codes = tl.interleave(packed >> 4, packed & 15)
         gs = tl.load(scratch_ptr + 2) if REQUANT else tl.load(gs_ptr).to(tl.float32)
-        total = gs * _fp8_decode(tl.load(bs_ptr + soffs, mask=smask, other=0), 3, -6)
+        total = (gs * 16384.0) * _fp8_decode(tl.load(bs_ptr + soffs, mask=smask, other=0), 3, -6)   # 2**14: _e2m1_decode
         total = tl.reshape(tl.broadcast_to(total[:, :, None], (BM, BN // 16, 16)), (BM, BN))
         w = _e2m1_decode(codes) * total
         w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)

@@ -398,7 +398,7 @@ class BlockSwapEngine:
                 s.binding.bind(s.placeholders)
                 s.slot = None
         stats = att.stats
-        stats.copy_s, stats.wait_s, stats.land_s = att.copier.take_times()
+        stats.copy_s, stats.wait_s, stats.land_times = att.copier.take_times()
         att.stats = att.new_stats()
         if stats.streamed:
             log.info(stats.line())

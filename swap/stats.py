@@ -1,7 +1,7 @@
 """What one sampling run moved and how well the copies hid under compute."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -20,7 +20,11 @@ class RunStats:
     forwards: int = 0      # streamed-block forwards
     bytes_read: int = 0    # home=disk: bytes read from the file
     read_wait_s: float = 0.0   # home=disk: time the block loop waited for reads
-    land_s: float = 0.0    # device time of on-land work (LoRA folds) on streamed blocks
+    land_times: list = field(default_factory=list)   # device seconds of each on-land (LoRA fold) on streamed blocks
+
+    @property
+    def land_s(self) -> float:
+        return sum(self.land_times)
 
     @property
     def hidden_s(self) -> float:

@@ -77,19 +77,22 @@ class CopyStream:
             self.stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
-    def take_times(self) -> tuple[float, float, float]:
-        """Seconds spent copying, seconds compute waited for copies, and seconds of
-        on-land work (LoRA folds) since the last call. Synchronises the device (once
+    def take_times(self) -> tuple[float, float, list[float]]:
+        """Seconds spent copying, seconds compute waited for copies, and the seconds of
+        each on-land work (LoRA folds) since the last call. Synchronises the device (once
         per run, outside the block loop)."""
         self.synchronize()
 
+        def each(pairs):
+            return [p[0] if len(p) == 1 else p[0].elapsed_time(p[1]) / 1000.0 for p in pairs]
+
         def total(pairs):
-            return sum(p[0] if len(p) == 1 else p[0].elapsed_time(p[1]) / 1000.0 for p in pairs)
+            return sum(each(pairs))
 
         copy_s = total(self._copies)
         wait_s = total(self._waits) if self.cuda else copy_s
-        land_s = total(self._lands)
+        lands = each(self._lands)
         self._copies.clear()
         self._waits.clear()
         self._lands.clear()
-        return copy_s, wait_s, land_s
+        return copy_s, wait_s, lands

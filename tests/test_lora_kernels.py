@@ -205,3 +205,50 @@ def test_fp8_coding_is_exact_for_every_code(qdtype):
     finite = torch.isfinite(want)
     assert torch.equal(values[finite], want[finite])
     assert torch.equal(back[finite], codes[finite])
+
+
+if kernels.triton is not None:
+    @kernels.triton.jit
+    def _e2m1_roundtrip(c_ptr, v_ptr, o_ptr):
+        i = tl.arange(0, 16)
+        v = kernels._e2m1_decode(tl.load(c_ptr + i)) * 16384.0
+        tl.store(v_ptr + i, v)
+        tl.store(o_ptr + i, kernels._e2m1_encode(v))
+
+
+def test_e2m1_coding_is_exact_for_every_code():
+    """Every fp4 e2m1 code decodes to its value (0, .5, 1, 1.5, 2, 3, 4, 6, signed) and
+    encodes back to itself, -0 included."""
+    codes = torch.arange(16, dtype=torch.uint8, device=DEV)
+    values = torch.empty(16, device=DEV)
+    back = torch.empty(16, dtype=torch.uint8, device=DEV)
+    _e2m1_roundtrip[(1,)](codes, values, back)
+    mags = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], device=DEV)
+    want = torch.cat([mags, -mags])
+    assert torch.equal(values, want)
+    assert torch.equal(torch.signbit(values), torch.arange(16, device=DEV) >= 8)
+    assert torch.equal(back, codes)
+
+
+if kernels.triton is not None:
+    @kernels.triton.jit
+    def _e2m1_encode_all(v_ptr, o_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(o_ptr + i, kernels._e2m1_encode(tl.load(v_ptr + i)))
+
+
+def test_e2m1_encode_rounds_ties_to_even():
+    """Halfway values go to the even code, as comfy_kitchen's quantize (and IEEE) rounds;
+    values just off a tie go to the nearer code; the sign is kept."""
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    codes = [0, 2, 2, 4, 4, 6, 6]
+    off = [0.2500001, 0.7499999, 1.2500001, 1.7499999, 2.5000002, 3.4999998, 5.0000005]
+    off_codes = [1, 1, 3, 3, 5, 5, 7]
+    vals = torch.tensor(ties + off + [-x for x in ties] + [0.0, -0.0], device=DEV)
+    want = codes + off_codes + [c | 8 for c in codes] + [0, 8]
+    n = 32
+    padded = torch.zeros(n, device=DEV)
+    padded[:len(vals)] = vals
+    out = torch.empty(n, dtype=torch.uint8, device=DEV)
+    _e2m1_encode_all[(1,)](padded, out, N=n)
+    assert out[:len(vals)].tolist() == want
