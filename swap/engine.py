@@ -38,9 +38,16 @@ class BlockState:
         self.block = block
         self.layout = layout
         self.binding = BlockBinding(block, layout)
-        self.placeholders: list[torch.Tensor] | None = None
         self.device_buffer: torch.Tensor | None = None   # resident blocks only
         self.slot: Slot | None = None                     # streamed block while it runs
+        self._stand_ins: tuple | None = None              # (device, joined empty tensors)
+
+    def unbind(self, device: torch.device | None = None) -> None:
+        """Point the block at empty stand-ins on `device` (default: the last one used); they
+        are made and joined once per device, as a block of the ring is unbound every step."""
+        if device is not None and (self._stand_ins is None or self._stand_ins[0] != device):
+            self._stand_ins = (device, self.layout.joined(self.layout.placeholders(device)))
+        self.binding.bind_joined(self._stand_ins[1])
 
 
 class _Attachment:
@@ -219,9 +226,7 @@ class BlockSwapEngine:
                                     pin_staging=device.type == "cuda")
                 for i in plan.streamed:
                     s = self.states[i]
-                    if s.placeholders is None or s.placeholders[0].device != device:
-                        s.placeholders = s.layout.placeholders(device)
-                    s.binding.bind(s.placeholders)
+                    s.unbind(device)
                 att.hooks = BlockHooks([s.block for s in self.states], list(plan.streamed),
                                        self._before_block, self._after_block)
             self.att = att
@@ -367,14 +372,14 @@ class BlockSwapEngine:
         if att.on_land is not None and not slot.landed:
             att.copier.timed_compute(att.on_land, block, views)
         slot.landed = True
-        s.binding.bind(views)
+        s.binding.bind(views)   # joined afresh: ComfyUI's quantized tensors keep state from their last use
         att.stats.forwards += 1
 
     def _after_block(self, block: int) -> None:
         att = self.att
         s = self.states[block]
         slot = s.slot
-        s.binding.bind(s.placeholders)
+        s.unbind()
         s.slot = None
         if slot is None or slot.owner != block:
             return
@@ -395,7 +400,7 @@ class BlockSwapEngine:
             return None
         for s in self.states:
             if s.slot is not None:
-                s.binding.bind(s.placeholders)
+                s.unbind()
                 s.slot = None
         stats = att.stats
         stats.copy_s, stats.wait_s, stats.land_times = att.copier.take_times()

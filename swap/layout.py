@@ -96,6 +96,22 @@ class BlockLayout:
         for view, t in zip(self.views(flat), tensors):
             view.copy_(t)
 
+    def joined(self, tensors: list[torch.Tensor]) -> list:
+        """What the block's modules hold for `tensors` (one per entry), per attribute: the
+        entry's tensor, or the packed tensor joined from its entries (an nn.Parameter for a
+        parameter). Placeholders keep theirs (joining packed tensors costs more host time
+        than the rest of a block's swap); weights that compute are joined afresh at every
+        bind, as ComfyUI 0.3.75's QuantizedTensor replaces its scale with a converted copy
+        when used."""
+        out = []
+        for a in self.attrs:
+            if a.codec is None:
+                out.append(tensors[a.entries[0]])
+                continue
+            t = a.codec.join(a.spec, [tensors[i] for i in a.entries])
+            out.append(nn.Parameter(t, requires_grad=False) if a.is_param else t)
+        return out
+
     def placeholders(self, device: torch.device) -> list[torch.Tensor]:
         """Empty tensors of the right rank and dtype, standing in for unloaded weights."""
         return [torch.empty((0,) * max(1, len(e.shape)), dtype=e.dtype, device=device) for e in self.entries]
@@ -119,16 +135,14 @@ class BlockBinding:
 
     def bind(self, tensors: list[torch.Tensor]) -> None:
         """Point the block's parameters and buffers at `tensors` (no copy)."""
-        for module, a in self.targets:
-            if a.codec is None:
-                t = tensors[a.entries[0]]
-                if a.is_param:
-                    module._parameters[a.name].data = t
-                else:
-                    module._buffers[a.name] = t
-                continue
-            t = a.codec.join(a.spec, [tensors[i] for i in a.entries])
-            if a.is_param:
-                module._parameters[a.name] = nn.Parameter(t, requires_grad=False)
+        self.bind_joined(self.layout.joined(tensors))
+
+    def bind_joined(self, values: list) -> None:
+        """Point the block's parameters and buffers at `values` from `layout.joined`."""
+        for (module, a), v in zip(self.targets, values):
+            if a.codec is None and a.is_param:
+                module._parameters[a.name].data = v
+            elif a.is_param:
+                module._parameters[a.name] = v
             else:
-                module._buffers[a.name] = t
+                module._buffers[a.name] = v
