@@ -117,7 +117,7 @@ def main() -> None:
         patched = comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0]
         lora_s, st = run(patched, inputs, a.steps, a.profile)
         mm.unload_all_models()
-        fold_ms = 1e3 * st.land_s / max(st.forwards, 1)
+        fold_ms = 1e3 * st.fold_s_per_block
         block_ms = 1e3 * plain_s / a.blocks
         rows.append((fmt, block_ms, fold_ms, 100 * fold_ms / block_ms, plain_s, lora_s))
         each = sorted(1e3 * t for t in st.land_times)

@@ -67,6 +67,7 @@ class SwapState:
         self.list_names = [n for n, _ in lists]
         # ComfyUI's weight-key prefix of each engine block, e.g. "diffusion_model.blocks.7."
         self.block_keys = [f"diffusion_model.{n}.{j}." for n, blocks in lists for j in range(len(blocks))]
+        self.block_index = {k: i for i, k in enumerate(self.block_keys)}
         self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
         self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
         self.nonblock_bytes = sum(
@@ -269,4 +270,4 @@ def _publish(stats) -> None:
         "line": stats.line(), "blocks": stats.blocks, "streamed": stats.streamed, "window": stats.window,
         "prefetch": stats.prefetch, "memory": stats.memory, "bytes_copied": stats.bytes_copied,
         "gbps": stats.gbps, "copy_ms": stats.copy_s * 1e3, "hidden_ms": stats.hidden_s * 1e3,
-        "wait_ms": stats.wait_s * 1e3, "fold_ms_per_block": 1e3 * stats.land_s / max(stats.forwards, 1)})
+        "wait_ms": stats.wait_s * 1e3, "fold_ms_per_block": 1e3 * stats.fold_s_per_block})

@@ -207,10 +207,7 @@ def _block_of(state, key: str) -> tuple[int, str] | None:
     m = _BLOCK_KEY.match(key)
     if m is None:
         return None
-    idx = state.__dict__.get("_ringswap_block_index")
-    if idx is None:
-        idx = state.__dict__["_ringswap_block_index"] = {k: i for i, k in enumerate(state.block_keys)}
-    b = idx.get(m.group(1))
+    b = state.block_index.get(m.group(1))
     return None if b is None else (b, m.group(2))
 
 
@@ -459,10 +456,6 @@ class BlockFolder:
         with torch.no_grad():
             for op in ops:
                 op(tensors)
-
-    @property
-    def keys(self) -> list[str]:
-        return [op.key for ops in self.ops.values() for op in ops]
 
     def release(self) -> None:
         """Drop the LoRA pairs kept on the device (when the model leaves it)."""

@@ -106,7 +106,7 @@ class BlockSwapEngine:
         self.att: _Attachment | None = None
         if read_block is not None:   # weights come from the reader: drop what the modules hold
             for st in self.states:
-                st.binding.bind(st.layout.placeholders(torch.device("cpu")))
+                st.unbind(torch.device("cpu"))
 
     # ----- sizes ---------------------------------------------------------------------
     @property
@@ -283,7 +283,7 @@ class BlockSwapEngine:
                 if s.index in self.pool.blocks:
                     s.binding.bind(self._home_views(s))
                 else:   # home=disk: the weights live only in the file
-                    s.binding.bind(s.layout.placeholders(torch.device("cpu")))
+                    s.unbind(torch.device("cpu"))
             if att.ring is not None:
                 att.ring.release()
             self.att = None

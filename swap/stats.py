@@ -27,6 +27,11 @@ class RunStats:
         return sum(self.land_times)
 
     @property
+    def fold_s_per_block(self) -> float:
+        """Mean device time of the on-land work (LoRA fold) per streamed-block forward."""
+        return self.land_s / self.forwards if self.forwards else 0.0
+
+    @property
     def hidden_s(self) -> float:
         return max(0.0, self.copy_s - self.wait_s)
 
@@ -41,7 +46,7 @@ class RunStats:
                 f"copied {self.bytes_copied / 1e9:.2f} GB in {self.copies} copies at {self.gbps:.1f} GB/s; "
                 f"copy time {self.copy_s * 1e3:.0f} ms, {self.hidden_s * 1e3:.0f} ms hidden under compute "
                 f"({hidden:.0f}%), compute waited {self.wait_s * 1e3:.0f} ms"
-                + (f"; LoRA fold {1e3 * self.land_s / self.forwards:.2f} ms per block"
-                   if self.land_s and self.forwards else "")
+                + (f"; LoRA fold {1e3 * self.fold_s_per_block:.2f} ms per block"
+                   if self.fold_s_per_block else "")
                 + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
                    "for reads" if self.memory == "disk" else ""))
