@@ -6,16 +6,16 @@ export RINGSWAP_COMFYUI_DIR := $(COMFY)
 
 .PHONY: env demo test test-gpu device-wheels clean
 
-env: $(VENV)/.ringswap-ready $(COMFY)/main.py
+env: $(VENV)/.ringswap-ready $(COMFY)/main.py $(VENV)/.ringswap-033-ready
 
-$(VENV)/.ringswap-ready $(COMFY)/main.py: scripts/setup_env.sh requirements-dev.txt requirements.txt
+$(VENV)/.ringswap-ready $(COMFY)/main.py $(VENV)/.ringswap-033-ready: scripts/setup_env.sh requirements-dev.txt requirements.txt
 	./scripts/setup_env.sh
 
 demo: env
 	$(PY) scripts/demo.py
 
 test: env
-	$(PY) -m pytest -q tests
+	./scripts/test_all.sh
 
 test-gpu: env
 	$(PY) -m pytest -q -m gpu tests
@@ -24,4 +24,4 @@ device-wheels:
 	./scripts/prepare_device_wheels.sh
 
 clean:
-	rm -rf $(VENV) .comfyui .whl
+	rm -rf $(VENV) .comfyui .comfyui-0.33 .whl

@@ -6,6 +6,7 @@ into its exact-size host buffer. Errors name the file and leave nothing loaded.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from typing import Callable
@@ -13,6 +14,7 @@ from typing import Callable
 import comfy.model_patcher
 
 from ..swap import BlockSwapEngine
+from . import comfy_features as features
 from .block_reader import BlockReader
 from .block_source import BlockSource
 from .safetensors_index import SafetensorsIndex
@@ -28,12 +30,50 @@ def load_swapped_model(path: str, settings: SwapSettings, home: str = "ram", dis
     return SwapModelPatcher.wrap(load_swapped_base(path, home, disk_workers, progress), settings)
 
 
+# Loaded files, by identity, home and model options: changing window/prefetch/pin_memory
+# re-runs a node but must not read the file again. Weak values: a model no graph uses is freed.
+_LOADED: "weakref.WeakValueDictionary[tuple, comfy.model_patcher.ModelPatcher]" = weakref.WeakValueDictionary()
+
+
+def cached_swapped_base(path: str, home: str = "ram", disk_workers: int = 4, model_options: dict | None = None,
+                        progress: Callable[[int, int], None] | None = None) -> comfy.model_patcher.ModelPatcher:
+    """load_swapped_base, reusing the model already loaded from the same unchanged file."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, home, disk_workers,
+           repr(sorted((model_options or {}).items())))
+    base = _LOADED.get(key)
+    if base is None:
+        base = load_swapped_base(path, home, disk_workers, progress, model_options)
+        _LOADED[key] = base
+    return base
+
+
+def own_model_for(model: comfy.model_patcher.ModelPatcher,
+                  progress: Callable[[int, int], None] | None = None) -> comfy.model_patcher.ModelPatcher | None:
+    """For a MODEL built for ComfyUI's dynamic VRAM (file tensors cast at use, or left
+    uncast by its lazy ops): RingSwap's own static load of the same file with the same
+    options (read once, held once, home=ram), to clone the MODEL onto; None for a MODEL
+    RingSwap can swap as it is. A dynamic MODEL not made from a file by Load Diffusion
+    Model is refused with what to use instead."""
+    if not features.built_for_dynamic_vram(model):
+        return None
+    source = features.source_file(model)
+    if source is None:
+        raise ValueError(
+            "RingSwap Patch: this MODEL was built for ComfyUI's dynamic VRAM, and not by Load Diffusion Model "
+            "from a .safetensors file that RingSwap could read itself; use the RingSwap Model Loader node for "
+            "this model, or start ComfyUI with --disable-dynamic-vram")
+    path, options = source
+    return cached_swapped_base(path, "ram", 4, options, progress)
+
+
 def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
-                      progress: Callable[[int, int], None] | None = None) -> comfy.model_patcher.ModelPatcher:
+                      progress: Callable[[int, int], None] | None = None,
+                      model_options: dict | None = None) -> comfy.model_patcher.ModelPatcher:
     """The plain ModelPatcher of the file, with its swap engine installed; wrap it with
     SwapModelPatcher.wrap for each set of swap settings (no re-read)."""
     index = SafetensorsIndex.open(path)
-    skeleton = build_skeleton(index, BLOCK_LIST_NAMES)
+    skeleton = build_skeleton(index, BLOCK_LIST_NAMES, model_options)
     dm = skeleton.model.diffusion_model
     lists = find_block_lists(dm)
     if not lists:

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import torch
 from torch import nn
-
-import comfy.model_detection
 
 from ..swap.layout import register_codec
 
@@ -79,13 +76,6 @@ if KitchenTensor is not None:
     register_codec(KitchenTensor, _KitchenCodec())
 
 
-def comfyui_reads_comfy_quant() -> bool:
-    """Does this ComfyUI understand per-layer `.comfy_quant` tensors itself?"""
-    src = os.path.join(os.path.dirname(comfy.model_detection.__file__), "model_detection.py")
-    with open(src, encoding="utf-8") as f:
-        return "comfy_quant" in f.read()
-
-
 def comfy_quant_layers(sd: dict[str, torch.Tensor]) -> dict[str, dict]:
     """{layer: config} from `<layer>.comfy_quant` tensors (uint8 bytes of JSON)."""
     out = {}
@@ -104,9 +94,11 @@ def declare_fp8_layers(metadata: dict, layers: dict[str, dict]) -> dict:
 
 
 def build_quantized_blocks(modules: list[tuple[str, nn.Module]], sd: dict[str, torch.Tensor],
-                           layers: dict[str, dict], compute_dtype: torch.dtype, path: str) -> None:
+                           layers: dict[str, dict], compute_dtype: torch.dtype, path: str,
+                           keep_comfy_quant: bool) -> None:
     """Give block layers (`(name, module)` pairs) the quantized weights ComfyUI would
-    create, with meta storage: nothing of the blocks is read."""
+    create, with meta storage: nothing of the blocks is read. `keep_comfy_quant`: the
+    ComfyUI op reads the layer's `.comfy_quant` config itself."""
     for name, module in modules:
         prefix = name + "."
         if prefix + "weight" not in sd:
@@ -123,7 +115,8 @@ def build_quantized_blocks(modules: list[tuple[str, nn.Module]], sd: dict[str, t
                 type(module)._load_from_state_dict is not nn.Module._load_from_state_dict:
             # the op builds its weight while loading a state dict: let it, on meta tensors
             part = {k: v for k, v in sd.items() if k.startswith(prefix) and "." not in k[len(prefix):]
-                    and k[len(prefix):] not in module._parameters and not k.endswith(".comfy_quant")}
+                    and k[len(prefix):] not in module._parameters
+                    and (keep_comfy_quant or not k.endswith(".comfy_quant"))}
             errors: list[str] = []
             module._load_from_state_dict(part, prefix, {}, False, [], [], errors)
             if errors:

@@ -10,7 +10,6 @@ and the block weights are left to the engine. The dtype choice mirrors
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 
@@ -20,7 +19,8 @@ import comfy.model_detection
 import comfy.model_management
 import comfy.utils
 
-from .quant import build_quantized_blocks, comfy_quant_layers, comfyui_reads_comfy_quant, declare_fp8_layers
+from . import comfy_features as features
+from .quant import build_quantized_blocks, comfy_quant_layers, declare_fp8_layers
 from .safetensors_index import SafetensorsIndex
 
 log = logging.getLogger("ringswap.skeleton")
@@ -54,21 +54,23 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
     sd = {n: real[n] if n in real else torch.empty(t.shape, dtype=t.dtype, device="meta")
           for n, t in index.tensors.items()}
 
+    metadata = dict(index.metadata)
+    sd, metadata = features.convert_old_quants(sd, metadata)
     prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
     stripped = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True)
     if stripped:
         sd = stripped
+        sd, metadata = features.convert_old_quants(sd, metadata)
     else:
         prefix = ""
-    layers = {} if comfyui_reads_comfy_quant() else comfy_quant_layers(sd)
-    metadata = declare_fp8_layers(dict(index.metadata), layers)
+    reads_comfy_quant = features.reads_comfy_quant()
+    layers = {} if reads_comfy_quant else comfy_quant_layers(sd)
+    metadata = declare_fp8_layers(metadata, layers)
     parameters = comfy.utils.calculate_parameters(sd)
     weight_dtype = comfy.utils.weight_dtype(sd)
     load_device = comfy.model_management.get_torch_device()
     _check_blocks_complete(sd, list_names, path)
-    kwargs = {}
-    if "metadata" in inspect.signature(comfy.model_detection.model_config_from_unet).parameters:
-        kwargs["metadata"] = metadata
+    kwargs = {"metadata": metadata} if features._has_arg(comfy.model_detection.model_config_from_unet, "metadata") else {}
     model_config = comfy.model_detection.model_config_from_unet(sd, "", **kwargs)
     if model_config is None:
         raise ValueError(f"RingSwap: {path}: ComfyUI does not recognise this diffusion model "
@@ -76,7 +78,8 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
 
     offload_device = comfy.model_management.unet_offload_device()
     unet_weight_dtype = list(model_config.supported_inference_dtypes)
-    if getattr(model_config, "scaled_fp8", None) is not None:
+    quant_config = features.layer_quant_config(model_config)
+    if features.drops_weight_dtype(model_config):
         weight_dtype = None
     dtype = model_options.get("dtype", None)
     if dtype is None:
@@ -84,23 +87,24 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
                                                        weight_dtype=weight_dtype)
     else:
         unet_dtype = dtype
-    if getattr(model_config, "layer_quant_config", None) is not None:
+    if quant_config is not None:
         manual_cast_dtype = comfy.model_management.unet_manual_cast(None, load_device,
                                                                     model_config.supported_inference_dtypes)
     else:
         manual_cast_dtype = comfy.model_management.unet_manual_cast(unet_dtype, load_device,
                                                                     model_config.supported_inference_dtypes)
-    model_config.set_inference_dtype(unet_dtype, manual_cast_dtype)
+    features.set_inference_dtype(model_config, unet_dtype, manual_cast_dtype, load_device)
     model_config.custom_operations = model_options.get("custom_operations", model_config.custom_operations)
     if model_options.get("fp8_optimizations", False):
         model_config.optimizations["fp8"] = True
 
-    model = model_config.get_model(sd, "").to(offload_device)   # a no-op move: nothing is loaded yet
-    dm = model.diffusion_model
-    block_modules = [(n, m) for n, m in dm.named_modules() if _is_block_key(n, "", list_names)]
-    build_quantized_blocks(block_modules, sd, layers, manual_cast_dtype or unet_dtype, path)
-    nonblock = {n: t for n, t in sd.items() if not _is_block_key(n, "", list_names)}
-    missing = _load_nonblock(dm, model_config.process_unet_state_dict(nonblock), list_names)
+    with features.static_construction():
+        model = model_config.get_model(sd, "").to(offload_device)   # a no-op move: nothing is loaded yet
+        dm = model.diffusion_model
+        block_modules = [(n, m) for n, m in dm.named_modules() if _is_block_key(n, "", list_names)]
+        build_quantized_blocks(block_modules, sd, layers, manual_cast_dtype or unet_dtype, path, reads_comfy_quant)
+        nonblock = {n: t for n, t in sd.items() if not _is_block_key(n, "", list_names)}
+        missing = _load_nonblock(dm, model_config.process_unet_state_dict(nonblock), list_names)
     if missing:
         log.warning("RingSwap: %s: missing non-block weights: %s", path, missing)
     return Skeleton(model, model_config, prefix, load_device, offload_device)

@@ -22,6 +22,7 @@ import comfy.model_management
 import comfy.model_patcher
 
 from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
+from . import comfy_features as features
 
 log = logging.getLogger("ringswap.patcher")
 
@@ -94,23 +95,31 @@ class SwapState:
 
 class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     ringswap: SwapSettings | None = None   # set by wrap(); None only inside wrap's clone call
+    ringswap_base: comfy.model_patcher.ModelPatcher | None = None   # wrap's `onto`, kept alive (its cache is weak)
 
     @classmethod
-    def wrap(cls, model: comfy.model_patcher.ModelPatcher, settings: SwapSettings) -> "SwapModelPatcher":
-        """A clone of `model` (any ModelPatcher class) that block-swaps with `settings`.
-        The source's class is swapped only for the clone call, as ComfyUI-GGUF does, so
-        the clone is built as a plain SwapModelPatcher (never a dynamic-VRAM patcher)."""
+    def wrap(cls, model: comfy.model_patcher.ModelPatcher, settings: SwapSettings,
+             onto: comfy.model_patcher.ModelPatcher | None = None) -> "SwapModelPatcher":
+        """A clone of `model` (any ModelPatcher class) that block-swaps with `settings`;
+        with `onto` (RingSwap's own load of the same file), a clone whose model is onto's,
+        keeping `model`'s patches, options and wrappers. The source's class is swapped only
+        for the clone call, as ComfyUI-GGUF does, so the clone is built as a plain
+        SwapModelPatcher (never a dynamic-VRAM patcher)."""
         if getattr(model, "model", None) is None or getattr(model.model, "diffusion_model", None) is None:
             raise ValueError(f"RingSwap: expected a diffusion MODEL (a ComfyUI ModelPatcher with a "
                              f"diffusion_model), got {type(model).__name__}")
-        state = SwapState.of(model)
-        src_cls = model.__class__
-        model.__class__ = cls
-        try:
-            n = comfy.model_patcher.ModelPatcher.clone(model)
-        finally:
-            model.__class__ = src_cls
+        if onto is not None:
+            n = features.clone_onto(model, onto.model)
+            n.ringswap_base = onto
+        else:
+            src_cls = model.__class__
+            model.__class__ = cls
+            try:
+                n = comfy.model_patcher.ModelPatcher.clone(model)
+            finally:
+                model.__class__ = src_cls
         n.__class__ = cls
+        state = SwapState.of(n)
         n.size = 0
         n.ringswap = settings
         # Our own weight state: ComfyUI then fully unloads whatever another patcher of
@@ -131,7 +140,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def clone(self, *args, **kwargs):
         n = super().clone(*args, **kwargs)
-        n.ringswap = self.ringswap
+        n.ringswap, n.ringswap_base = self.ringswap, self.ringswap_base
         return n
 
     # ----- what ComfyUI loads itself: everything but the blocks --------------------------

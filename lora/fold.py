@@ -15,10 +15,10 @@ Per weight, by storage:
   fp16 a plain round-to-nearest cast; for fp8 ComfyUI's seeded stochastic rounding), so
   the folded weights equal ComfyUI's own patching bit for bit;
 - per-tensor scaled fp8 (ComfyUI's scaled-fp8 ops: fp8 `weight` + `scale_weight`, or
-  ComfyUI 0.3.75's fp8 `QuantizedTensor`: data + scale): dequantize to float32, patch,
-  requantize with a fresh scale amax/fp8_max (round to nearest), written into the scale
-  tensor in place;
-- comfy_kitchen `QuantizedTensor` (nvfp4; fp8 on newer ComfyUI): dequantize to float32,
+  an fp8 `QuantizedTensor`: data + scale, ComfyUI 0.3.75's own or comfy_kitchen's as 0.33
+  builds it): dequantize to float32, patch, requantize with a fresh scale amax/fp8_max
+  (round to nearest), written into the scale tensor in place;
+- other comfy_kitchen `QuantizedTensor`s (nvfp4): dequantize to float32,
   patch, `QuantizedTensor.from_float` (fresh global and block scales) and copy its data and
   scale tensors into the slot's.
 On CUDA, a weight whose patches are all plain LoRA pairs (up/down, no mid, DoRA or
@@ -348,7 +348,8 @@ class _ScaledFp8Op(_Op):
 
 
 class _KitchenOp(_Op):
-    """comfy_kitchen QuantizedTensor: dequantize in float32, patch, from_float (nvfp4 with
+    """comfy_kitchen QuantizedTensor other than per-tensor fp8 (that one is a _ScaledFp8Op):
+    dequantize in float32, patch, from_float (nvfp4 with
     plain LoRA pairs on CUDA: one lora/kernels.py fold in place)."""
 
     def __init__(self, key, patches, entries, layout_cls: str, params, fields):
@@ -372,12 +373,9 @@ class _KitchenOp(_Op):
         amax = kernels.add_pairs_(w, kp) if kp is not None else None
         out = w if amax is not None else self.add_delta(w)
         kwargs = {}
-        if self.layout_cls in ("TensorCoreNVFP4Layout", "TensorCoreFP8Layout"):
+        if self.layout_cls == "TensorCoreNVFP4Layout":
             amax = out.abs().amax() if amax is None else amax
-            top = NVFP4_MAX if self.layout_cls == "TensorCoreNVFP4Layout" else torch.finfo(parts[0].dtype).max
-            kwargs["scale"] = (amax / top).clamp_min(MIN_SCALE)
-            if self.layout_cls == "TensorCoreFP8Layout":
-                kwargs["dtype"] = parts[0].dtype
+            kwargs["scale"] = (amax / NVFP4_MAX).clamp_min(MIN_SCALE)
         q = _kitchen_from_float(out, self.layout_cls, **kwargs)
         new = [q._qdata] + [getattr(q._params, f) for f in self.fields]
         for dst, src in zip(parts, new):
@@ -433,6 +431,10 @@ def _make_op(key, patches, layout, attr, attrs_by_name) -> _Op:
         layout_cls, params, fields = attr.spec
         if getattr(params, "transposed", False):
             raise ValueError(f"RingSwap LoRA: cannot patch '{key}': a transposed {layout_cls} weight")
+        if tuple(fields) == ("scale",) and entries[attr.entries[0]].dtype in FP8_DTYPES \
+                and torch.Size(entries[attr.entries[1]].shape).numel() == 1:
+            # per-tensor fp8 (TensorCoreFP8Layout, 0.33's TensorCoreFP8E4M3Layout / E5M2): data + scale
+            return _ScaledFp8Op(key, patches, attr.entries[0], attr.entries[1])
         return _KitchenOp(key, patches, attr.entries, layout_cls, params, fields)
     if ComfyQuantizedTensor is not None and isinstance(joined, ComfyQuantizedTensor):
         layout_type, _static, tensor_keys = attr.spec

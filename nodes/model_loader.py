@@ -1,17 +1,12 @@
 """RingSwap Model Loader: a diffusion model whose blocks stream from RAM or from the file."""
 from __future__ import annotations
 
-import os
-import weakref
-
 import folder_paths
 
-import comfy.utils
-
-from ..loaders.model_loader import load_swapped_base
+from ..loaders.model_loader import cached_swapped_base
 from ..loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ..swap import PIN_MODES
-from .patch import PIN_TIP, PREFETCH_TIP, WINDOW_TIP
+from .patch import PIN_TIP, PREFETCH_TIP, WINDOW_TIP, progress_bar
 
 HOME_TIP = ("Where blocks that are not on the GPU live. ram: read once into (pinned) host RAM at load, "
             "then streamed to the GPU; needs RAM for the whole model. disk: read from the file ahead "
@@ -19,16 +14,6 @@ HOME_TIP = ("Where blocks that are not on the GPU live. ram: read once into (pin
 WORKERS_TIP = ("Reader threads for the file (positioned reads, one file handle each). More helps on NVMe; "
                "a disk that reads slower with parallel streams (HDD, some network/virtual disks) may do "
                "better with 1-2. With home=disk, host RAM for blocks is about this many blocks.")
-
-
-# Loaded files, by identity and home: changing window/prefetch/pin_memory re-runs the node
-# but must not read the file again. Weak values: a model no graph uses is freed.
-_LOADED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
-
-
-def _file_key(path: str, home: str, disk_workers: int) -> tuple:
-    st = os.stat(path)
-    return (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, home, disk_workers)
 
 
 class RingSwapModelLoader:
@@ -53,11 +38,5 @@ class RingSwapModelLoader:
     def load(self, unet_name: str, window: int, prefetch: int, home: str, pin_memory: str, disk_workers: int):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         settings = SwapSettings(window, prefetch, pin_memory)
-        key = _file_key(path, home, disk_workers)
-        base = _LOADED.get(key)
-        if base is None:
-            bar = comfy.utils.ProgressBar(100)
-            progress = lambda done, total: bar.update_absolute(int(100 * done / max(total, 1)), 100)  # noqa: E731
-            base = load_swapped_base(path, home, disk_workers, progress)
-            _LOADED[key] = base
+        base = cached_swapped_base(path, home, disk_workers, progress=progress_bar())
         return (SwapModelPatcher.wrap(base, settings),)

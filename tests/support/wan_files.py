@@ -13,6 +13,7 @@ Run as a script to write a file and check that ComfyUI loads it::
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -28,6 +29,14 @@ def _ensure_comfy_cpu_if_needed():
         return
     from comfy.cli_args import args
     args.cpu = True
+
+
+def _static_construction():
+    try:
+        from ringswap.loaders.comfy_features import static_construction
+    except ImportError:   # run as a script, without the pack on sys.path
+        return contextlib.nullcontext()
+    return static_construction()
 
 
 def _is_norm_weight(name: str) -> bool:
@@ -54,8 +63,10 @@ def build_tiny_wan_state_dict(dim=256, num_layers=8, ffn_dim=512, dtype=torch.fl
                   num_heads=dim // 128, num_layers=num_layers, window_size=(-1, -1),
                   qk_norm=True, cross_attn_norm=True, eps=1e-6)
     # disable_weight_init: no (slow, unseeded) default init; every tensor is set below.
-    model = WanModel(**config, device="cpu", dtype=torch.float32,
-                     operations=comfy.ops.disable_weight_init)
+    # Built statically even under dynamic VRAM (whose lazy ops leave weights unset).
+    with _static_construction():
+        model = WanModel(**config, device="cpu", dtype=torch.float32,
+                         operations=comfy.ops.disable_weight_init)
     gen = torch.Generator().manual_seed(seed)
     sd = {}
     with torch.no_grad():

@@ -1,0 +1,168 @@
+"""What this ComfyUI can do, probed once: the one place where version differences live.
+
+Every probe asks whether a function, argument or attribute exists (never a version
+number), so a newer ComfyUI that keeps an interface keeps working. Covered: the quantized
+checkpoint conversion and per-layer quant config (0.33: `convert_old_quants`,
+`quant_config`; 0.3.75: `layer_quant_config`), dynamic VRAM (`is_dynamic`,
+`cached_patcher_init`, `clone(model_override=)`, `aimdo_enabled` lazy ops) and ComfyUI's
+pin budget (`MAX_PINNED_MEMORY`, `PINNED_MEMORY`, `ensure_pin_registerable`).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from typing import Iterator
+
+import torch
+
+import comfy.model_management
+import comfy.model_patcher
+import comfy.sd
+import comfy.supported_models_base
+import comfy.utils
+
+try:
+    import comfy.memory_management as _memory_management
+except ImportError:   # ComfyUI without dynamic VRAM
+    _memory_management = None
+
+
+def _has_arg(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ----- quantized checkpoints ----------------------------------------------------------
+CONVERTS_OLD_QUANTS = hasattr(comfy.utils, "convert_old_quants")
+# the model config attribute that holds per-layer quantization ("quant_config" from 0.33 on)
+QUANT_CONFIG_ATTR = next((a for a in ("quant_config", "layer_quant_config")
+                          if a in vars(comfy.supported_models_base.BASE)), None)
+SET_DTYPE_TAKES_DEVICE = _has_arg(comfy.supported_models_base.BASE.set_inference_dtype, "device")
+
+
+def convert_old_quants(sd: dict, metadata: dict) -> tuple[dict, dict]:
+    """ComfyUI's own conversion of scaled fp8 / `_quantization_metadata` checkpoints to
+    per-layer `.comfy_quant` + `weight_scale`, where it has one; else unchanged."""
+    if not CONVERTS_OLD_QUANTS:
+        return sd, metadata
+    sd, metadata = comfy.utils.convert_old_quants(sd, "", metadata=dict(metadata))
+    return sd, metadata or {}
+
+
+def reads_comfy_quant() -> bool:
+    """Does this ComfyUI build layers from per-layer `.comfy_quant` tensors itself?"""
+    if CONVERTS_OLD_QUANTS:
+        return True
+    src = os.path.join(os.path.dirname(comfy.sd.__file__), "model_detection.py")
+    with open(src, encoding="utf-8") as f:
+        return "comfy_quant" in f.read()
+
+
+def layer_quant_config(model_config) -> dict | None:
+    return getattr(model_config, QUANT_CONFIG_ATTR) if QUANT_CONFIG_ATTR else None
+
+
+def drops_weight_dtype(model_config) -> bool:
+    """Does ComfyUI's loader leave the file's weight dtype out of its dtype choice? It
+    does for quantized checkpoints: 0.33 when a quant config exists, 0.3.75 for scaled fp8."""
+    if CONVERTS_OLD_QUANTS:
+        return layer_quant_config(model_config) is not None
+    return getattr(model_config, "scaled_fp8", None) is not None
+
+
+def set_inference_dtype(model_config, dtype, manual_cast_dtype, device: torch.device) -> None:
+    if SET_DTYPE_TAKES_DEVICE:
+        model_config.set_inference_dtype(dtype, manual_cast_dtype, device=device)
+    else:
+        model_config.set_inference_dtype(dtype, manual_cast_dtype)
+
+
+# ----- dynamic VRAM -------------------------------------------------------------------
+def is_dynamic(patcher) -> bool:
+    """Was this MODEL built for ComfyUI's dynamic VRAM (weights cast at use, from an mmap)?"""
+    fn = getattr(patcher, "is_dynamic", None)
+    return bool(fn()) if callable(fn) else False
+
+
+def built_for_dynamic_vram(patcher) -> bool:
+    """Is this MODEL dynamic, or were its layers built by dynamic VRAM's lazy ops (which
+    keep the file's tensors uncast; ComfyUI gives CPU-only models a static patcher)?"""
+    if is_dynamic(patcher):
+        return True
+    return any(getattr(m, "comfy_need_lazy_init_bias", None) is not None
+               for m in patcher.model.diffusion_model.modules())
+
+
+@contextlib.contextmanager
+def static_construction() -> Iterator[None]:
+    """Build ComfyUI modules as without dynamic VRAM: with `aimdo_enabled`, ComfyUI's
+    Linear/Embedding leave their weight unset and keep the file's tensors uncast until a
+    dynamic patcher loads them; RingSwap owns its models as static patchers, so it builds
+    them the static way (weights in ComfyUI's chosen dtype, cast while loading)."""
+    if _memory_management is None or not getattr(_memory_management, "aimdo_enabled", False):
+        yield
+        return
+    _memory_management.aimdo_enabled = False
+    try:
+        yield
+    finally:
+        _memory_management.aimdo_enabled = True
+
+
+def source_file(patcher) -> tuple[str, dict] | None:
+    """(path, model_options) of a MODEL made by ComfyUI's Load Diffusion Model, from the
+    factory ComfyUI records to rebuild it (`cached_patcher_init`); None for any other."""
+    init = getattr(patcher, "cached_patcher_init", None)
+    if not init or init[0] is not getattr(comfy.sd, "load_diffusion_model", None) or len(init) > 2:
+        return None
+    args = tuple(init[1])
+    if not args or not isinstance(args[0], str):
+        return None
+    return args[0], (dict(args[1]) if len(args) > 1 and args[1] else {})
+
+
+CLONE_TAKES_MODEL = _has_arg(comfy.model_patcher.ModelPatcher.clone, "model_override")
+
+
+def clone_onto(patcher, model):
+    """A static ModelPatcher clone of `patcher` (patches, options, wrappers, callbacks...)
+    whose model is `model` instead of its own."""
+    if not CLONE_TAKES_MODEL:
+        raise RuntimeError("RingSwap: this ComfyUI's ModelPatcher.clone cannot take another model")
+    override = (model, ({}, {}, {}, set()))
+    kwargs = {"disable_dynamic": True} if _has_arg(comfy.model_patcher.ModelPatcher.clone, "disable_dynamic") else {}
+    return comfy.model_patcher.ModelPatcher.clone(patcher, model_override=override, **kwargs)
+
+
+# ----- pinned memory ------------------------------------------------------------------
+class ComfyPinBudget:
+    """RingSwap's page-locked bytes counted in ComfyUI's own pin accounting
+    (`PINNED_MEMORY`, `TOTAL_PINNED_MEMORY`) and held to its limit (`MAX_PINNED_MEMORY`,
+    e.g. 40-45% of RAM on Windows), asking ComfyUI to free other pins first where it can."""
+
+    def __init__(self, mm=comfy.model_management):
+        self.mm = mm
+
+    @staticmethod
+    def available(mm=comfy.model_management) -> bool:
+        return all(hasattr(mm, a) for a in ("MAX_PINNED_MEMORY", "TOTAL_PINNED_MEMORY", "PINNED_MEMORY"))
+
+    def reserve(self, ptr: int, nbytes: int) -> bool:
+        mm = self.mm
+        if mm.MAX_PINNED_MEMORY <= 0:   # ComfyUI pins nothing here (--disable-pinned-memory, no NVIDIA/AMD)
+            return False
+        if mm.TOTAL_PINNED_MEMORY + nbytes > mm.MAX_PINNED_MEMORY and hasattr(mm, "ensure_pin_registerable"):
+            mm.ensure_pin_registerable(nbytes)
+        if mm.TOTAL_PINNED_MEMORY + nbytes > mm.MAX_PINNED_MEMORY:
+            return False
+        mm.PINNED_MEMORY[ptr] = nbytes
+        mm.TOTAL_PINNED_MEMORY += nbytes
+        return True
+
+    def release(self, ptr: int) -> None:
+        nbytes = self.mm.PINNED_MEMORY.pop(ptr, None)
+        if nbytes is not None:
+            self.mm.TOTAL_PINNED_MEMORY -= nbytes

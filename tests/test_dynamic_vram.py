@@ -1,0 +1,106 @@
+"""RingSwap beside ComfyUI 0.33's dynamic VRAM (RINGSWAP_DYNAMIC_VRAM=1, tests/conftest.py).
+
+With dynamic VRAM ComfyUI's stock loader keeps the file's tensors (mmapped, in the file's
+dtype, cast only by a dynamic patcher) and its lazy ops leave weights unset until a state
+dict loads. RingSwap Patch clones such a MODEL onto RingSwap's own load of the same file
+(patches and options kept); the Model Loader builds its model the static way. Both must
+equal ComfyUI's own results, and a dynamic MODEL RingSwap cannot re-read is refused.
+"""
+import pytest
+import torch
+
+import comfy.model_management
+import comfy.sd
+import comfy.utils
+
+from conftest import DYNAMIC_VRAM
+from ringswap.loaders import comfy_features as features
+from ringswap.loaders.model_loader import load_swapped_model
+from ringswap.loaders.swap_patcher import SwapModelPatcher, SwapSettings
+from ringswap.nodes.patch import RingSwapPatch
+from support.lora_files import build_lora
+from wan_model import forward, inputs, load_stock, tiny_wan
+
+pytestmark = pytest.mark.skipif(not DYNAMIC_VRAM, reason="needs RINGSWAP_DYNAMIC_VRAM=1 (ComfyUI 0.33+)")
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    return tiny_wan(str(tmp_path_factory.mktemp("dyn")), blocks=5)
+
+
+def outputs(model, seeds=(0, 1)):
+    return [forward(model, *inputs(seed=s)) for s in seeds]
+
+
+def test_stock_loader_builds_for_dynamic_vram(wan):
+    """The premise: the stock MODEL holds lazily built layers over the file's tensors."""
+    stock = load_stock(wan)
+    assert features.built_for_dynamic_vram(stock)
+    assert features.source_file(stock) == (wan, {})
+
+
+@pytest.mark.parametrize("window,prefetch", [(1, 1), (2, 2), (5, 1)])
+def test_patch_on_dynamic_model_equals_stock(wan, window, prefetch):
+    stock = load_stock(wan)
+    ref = outputs(stock)
+    comfy.model_management.unload_all_models()
+    (patched,) = RingSwapPatch().patch(stock, window, prefetch, "auto")
+    assert isinstance(patched, SwapModelPatcher)
+    assert patched.model is not stock.model, "cloned onto RingSwap's own load of the file"
+    assert not features.built_for_dynamic_vram(patched)
+    for run in range(2):
+        got = outputs(patched)
+        for k in range(2):
+            assert torch.equal(got[k], ref[k]), f"run {run} input {k}"
+        comfy.model_management.unload_all_models()
+    # the stock MODEL's own blocks are untouched (RingSwap never swaps them)
+    assert "_ringswap_state" not in stock.model.diffusion_model.__dict__
+
+
+def test_patch_keeps_the_patches_of_the_dynamic_model(wan):
+    """A LoRA applied before RingSwap Patch (stock LoraLoaderModelOnly) stays applied."""
+    lora = build_lora("kohya", dim=128, ffn_dim=256, blocks=5)
+    stock = load_stock(wan)
+    with_lora, _ = comfy.sd.load_lora_for_models(stock, None, lora, 0.8, 0)
+    ref = outputs(with_lora)
+    comfy.model_management.unload_all_models()
+    (patched,) = RingSwapPatch().patch(with_lora, 2, 1, "auto")
+    assert patched.patches.keys() == with_lora.patches.keys()
+    got = outputs(patched)
+    for k in range(2):
+        assert torch.equal(got[k], ref[k]) if got[k].device.type == "cpu" else \
+            torch.allclose(got[k], ref[k], rtol=1e-2, atol=1e-3)
+
+
+def test_patch_reuses_its_load_for_other_settings(wan):
+    stock = load_stock(wan)
+    (a,) = RingSwapPatch().patch(stock, 1, 1, "auto")
+    (b,) = RingSwapPatch().patch(stock, 3, 0, "auto")
+    assert a.model is b.model, "changing window/prefetch must not read the file again"
+
+
+def test_patch_refuses_a_dynamic_model_it_cannot_read(wan):
+    """A MODEL built for dynamic VRAM from a state dict (no file ComfyUI can rebuild it from)."""
+    sd, metadata = comfy.utils.load_torch_file(wan, return_metadata=True)
+    stock = comfy.sd.load_diffusion_model_state_dict(sd, metadata=metadata)
+    assert features.built_for_dynamic_vram(stock) and features.source_file(stock) is None
+    with pytest.raises(ValueError, match="dynamic VRAM.*RingSwap Model Loader.*--disable-dynamic-vram"):
+        RingSwapPatch().patch(stock, 2, 1, "auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_loader_under_dynamic_vram_equals_static_stock(tmp_path, dtype):
+    """The loader's model is built statically although ComfyUI's ops are lazy: it equals
+    ComfyUI's own static load of the file (cast to the model's dtypes while loading)."""
+    path = tiny_wan(str(tmp_path), blocks=4, dtype=dtype)
+    with features.static_construction():
+        ref = outputs(comfy.sd.load_diffusion_model(path))
+    comfy.model_management.unload_all_models()
+    for home in ("ram", "disk"):
+        model = load_swapped_model(path, SwapSettings(2, 1), home=home, disk_workers=2)
+        assert not features.built_for_dynamic_vram(model)
+        got = outputs(model)
+        for k in range(2):
+            assert torch.equal(got[k], ref[k]), f"{dtype} home={home} input {k}"
+        comfy.model_management.unload_all_models()
