@@ -1,11 +1,19 @@
 """Parallel positioned reads of byte ranges of one file straight into host (e.g. pinned) buffers.
 
 Written ourselves because no library does parallel pread/preadv into caller-owned pinned
-memory: one fd per worker thread, no mmap, no whole-file read, no intermediate copies.
+memory: one file handle per worker thread, no mmap, no whole-file read, no intermediate copies.
+
+Linux and Windows (DESIGN.md): `os.preadv`/`os.pread` where the OS has them; elsewhere
+(Windows) each worker's own handle, opened in binary mode, does seek + readinto. Which one
+is used is decided in one place, `read_method`; `portable=True` (or the environment
+variable RINGSWAP_PORTABLE_READS=1) forces seek + readinto so it is tested on Linux too.
+Page-cache advice (posix_fadvise DONTNEED) is given only where the OS has it.
 """
 from __future__ import annotations
 
 import ctypes
+import io
+import logging
 import os
 import queue
 import threading
@@ -14,8 +22,27 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+log = logging.getLogger("ringswap.block_reader")
+
 CHUNK_BYTES = 64 * 1024 * 1024
-_MAX_SYSCALL = 1 << 30  # Linux reads at most ~2 GiB per call; keep each call well under
+_MAX_SYSCALL = 1 << 30  # Linux and Windows read at most ~2 GiB per call; keep well under
+PORTABLE_ENV = "RINGSWAP_PORTABLE_READS"
+PREADV, PREAD, SEEK_READINTO = "preadv", "pread", "seek+readinto"
+
+
+def read_method(portable: bool | None = None) -> str:
+    """How a BlockReader reads: "preadv", "pread" or "seek+readinto".
+
+    `portable=None` takes RINGSWAP_PORTABLE_READS from the environment ("1" forces
+    seek + readinto); without preadv and pread (Windows) it is seek + readinto anyway.
+    """
+    if portable is None:
+        portable = os.environ.get(PORTABLE_ENV, "0") not in ("", "0")
+    if not portable and hasattr(os, "preadv"):
+        return PREADV
+    if not portable and hasattr(os, "pread"):
+        return PREAD
+    return SEEK_READINTO
 
 
 class BlockReadError(OSError):
@@ -48,32 +75,61 @@ class _Job:
 
 
 class BlockReader:
-    def __init__(self, path: str, workers: int = 4, drop_cache: bool = True,
-                 chunk_bytes: int = CHUNK_BYTES):
+    """`workers` threads, each taking one of `workers` file handles for a chunk, so no
+    handle is ever used by two threads at once (the seek + readinto path relies on that).
+    `portable`: see read_method; `self.method` says what was chosen."""
+
+    def __init__(self, path: str | os.PathLike, workers: int = 4, drop_cache: bool = True,
+                 chunk_bytes: int = CHUNK_BYTES, portable: bool | None = None):
         if workers < 1 or chunk_bytes < 1:
             raise ValueError(f"BlockReader: workers ({workers}) and chunk_bytes ({chunk_bytes}) must be >= 1")
         self.path = os.fspath(path)
         self.workers = workers
+        self.method = read_method(portable)
         self.drop_cache = drop_cache and hasattr(os, "posix_fadvise")
         self.chunk_bytes = chunk_bytes
-        self._fds: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._all_fds: list[int] = []
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        self._handles: queue.SimpleQueue[int | io.FileIO] = queue.SimpleQueue()
+        self._all_handles: list[int | io.FileIO] = []
         try:
             for _ in range(workers):
-                fd = os.open(self.path, flags)
-                self._all_fds.append(fd)
-                self._fds.put(fd)
+                h = self._open()
+                self._all_handles.append(h)
+                self._handles.put(h)
         except OSError as e:
-            for fd in self._all_fds:
-                os.close(fd)
+            self._close_handles()
             raise BlockReadError(f"{self.path}: cannot open for reading: {e.strerror or e}") from e
+        log.debug("BlockReader %s: %d workers, %s reads, page-cache advice %s", self.path, workers,
+                  self.method, "on" if self.drop_cache else "off")
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ringswap-read")
         self._lock = threading.Lock()
         self._closed = False
         self._bytes_read = 0
         self._reads = 0
         self._read_seconds = 0.0
+
+    def _open(self) -> int | io.FileIO:
+        if self.method == SEEK_READINTO:  # unbuffered binary (and non-inheritable) handle
+            return io.FileIO(self.path, "rb")
+        return os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
+
+    def _close_handles(self) -> None:
+        handles, self._all_handles = self._all_handles, []
+        for h in handles:
+            if isinstance(h, int):
+                os.close(h)
+            else:
+                h.close()
+
+    def _read(self, h: int | io.FileIO, view: memoryview, pos: int) -> int:
+        """One read call at file offset `pos` into `view`; 0 only at end of file."""
+        if self.method == PREADV:
+            return os.preadv(h, [view], pos)
+        if self.method == PREAD:
+            data = os.pread(h, len(view), pos)
+            view[:len(data)] = data
+            return len(data)
+        h.seek(pos)
+        return h.readinto(view) or 0
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -127,7 +183,8 @@ class BlockReader:
         if job.error is not None:  # another chunk of this job failed: skip, don't read
             job.done(0, None)
             return
-        fd = self._fds.get()
+        h = self._handles.get()
+        fd = h if isinstance(h, int) else h.fileno()
         got, calls, err = 0, 0, None
         t0 = time.perf_counter()
         try:
@@ -136,12 +193,7 @@ class BlockReader:
                 want = min(n - got, _MAX_SYSCALL)
                 view = mv[doff + c + got: doff + c + got + want]
                 calls += 1
-                if hasattr(os, "preadv"):
-                    k = os.preadv(fd, [view], pos)
-                else:
-                    data = os.pread(fd, want, pos)
-                    k = len(data)
-                    view[:k] = data
+                k = self._read(h, view, pos)
                 if k == 0:  # end of file; parallel chunks fail in any order, so ask its size
                     have = max(0, min(length, os.fstat(fd).st_size - off))
                     err = BlockReadError(
@@ -162,7 +214,7 @@ class BlockReader:
         except BaseException as e:  # never leave the job's future pending
             err = e
         finally:
-            self._fds.put(fd)
+            self._handles.put(h)
             with self._lock:
                 self._bytes_read += got
                 self._reads += calls
@@ -171,15 +223,13 @@ class BlockReader:
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Wait for reads in flight, then close the fds. Idempotent."""
+        """Wait for reads in flight, then close the file handles. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
-        for fd in self._all_fds:
-            os.close(fd)
-        self._all_fds = []
+        self._close_handles()
 
     def __enter__(self) -> "BlockReader":
         return self
@@ -188,9 +238,8 @@ class BlockReader:
         self.close()
 
     def __del__(self) -> None:
-        # Unreferenced means no chunk is queued (each holds a reference): just release the fds.
+        # Unreferenced means no chunk is queued (each holds a reference): just release the handles.
         if not getattr(self, "_closed", True):
             self._closed = True
             self._pool.shutdown(wait=False)
-            for fd in self._all_fds:
-                os.close(fd)
+            self._close_handles()

@@ -206,32 +206,32 @@ class SafetensorsIndex:
         out: dict[str, torch.Tensor] = {}
         if not infos:
             return out
+        # One unbuffered binary handle, seek + readinto: the same on Linux and Windows (no pread).
         try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            f = open(self.path, "rb", buffering=0)
         except OSError as e:
             raise SafetensorsError(f"{self.path}: cannot open: {e.strerror or e}") from e
-        try:
+        with f:
             for info in infos:
                 buf = bytearray(info.nbytes)
+                view = memoryview(buf)
                 got = 0
                 while got < info.nbytes:
                     try:
-                        chunk = os.pread(fd, info.nbytes - got, info.start + got)
+                        f.seek(info.start + got)
+                        k = f.readinto(view[got:])
                     except OSError as e:
                         raise SafetensorsError(f"{self.path}: tensor {info.name!r}: read of {info.nbytes} "
                                                f"bytes at offset {info.start} failed: "
                                                f"{e.strerror or e}") from e
-                    if not chunk:
+                    if not k:
                         raise SafetensorsError(f"{self.path}: tensor {info.name!r}: file ended after "
                                                f"{got} of {info.nbytes} bytes at offset {info.start} "
                                                "(truncated or replaced after it was indexed?)")
-                    buf[got:got + len(chunk)] = chunk
-                    got += len(chunk)
+                    got += k
                 if info.nbytes:
                     t = torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype)
                 else:
                     t = torch.empty(0, dtype=info.dtype)
                 out[info.name] = t.reshape(info.shape)
-        finally:
-            os.close(fd)
         return out

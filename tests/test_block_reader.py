@@ -1,16 +1,38 @@
-"""BlockReader: parallel positioned reads into one buffer, chunking, short reads, lifetime."""
+"""BlockReader: parallel positioned reads into one buffer, chunking, short reads, lifetime.
+
+Every read test runs with both read methods: os.preadv/os.pread ("positioned") and the
+per-worker-handle seek + readinto used where pread does not exist (Windows), forced here
+with portable=True.
+"""
 import os
 import random
 import re
+import threading
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from ringswap.loaders.block_reader import BlockReadError, BlockReader
+from ringswap.loaders.block_reader import (PORTABLE_ENV, PREAD, PREADV, SEEK_READINTO, BlockReadError,
+                                           BlockReader, read_method)
 from ringswap.loaders.safetensors_index import SafetensorsIndex
 
 TIMEOUT = 30
+
+
+@pytest.fixture(params=[False, True], ids=["positioned", "portable"])
+def portable(request):
+    return request.param
+
+
+@pytest.fixture
+def open_reader(portable):
+    """BlockReader(path, ...) with this test's read method, checked to be the one in use."""
+    def make(path, **kw):
+        r = BlockReader(path, portable=portable, **kw)
+        assert r.method == (SEEK_READINTO if portable else read_method(False))
+        return r
+    return make
 
 
 @pytest.fixture
@@ -31,7 +53,7 @@ def _fds():
     return set(os.listdir("/proc/self/fd"))
 
 
-def test_many_ranges_into_one_buffer(model):
+def test_many_ranges_into_one_buffer(model, open_reader):
     raw = _file_bytes(model)
     idx = SafetensorsIndex.open(model)
     infos = list(idx.tensors.values())
@@ -41,7 +63,7 @@ def test_many_ranges_into_one_buffer(model):
         ranges.append((t.start, t.nbytes, pos))
         pos += t.nbytes
     dest = torch.zeros(pos, dtype=torch.uint8)
-    with BlockReader(model, workers=4, chunk_bytes=10_000) as r:
+    with open_reader(model, workers=4, chunk_bytes=10_000) as r:
         n = r.read_into(dest, ranges).result(timeout=TIMEOUT)
         assert n == pos == r.bytes_read
         assert r.reads >= len(ranges) and r.read_seconds > 0
@@ -49,7 +71,7 @@ def test_many_ranges_into_one_buffer(model):
         assert torch.equal(dest[doff:doff + length], raw[off:off + length])
 
 
-def test_block_tensors_land_correctly(model):
+def test_block_tensors_land_correctly(model, open_reader):
     idx = SafetensorsIndex.open(model)
     block = idx.blocks_by_index()[3]
     total = sum(t.nbytes for t in block)
@@ -58,24 +80,24 @@ def test_block_tensors_land_correctly(model):
     for t in block:
         ranges.append((t.start, t.nbytes, pos))
         pos += t.nbytes
-    with BlockReader(model, workers=2) as r:
+    with open_reader(model, workers=2) as r:
         r.read_into(dest, ranges).result(timeout=TIMEOUT)
     for t, (_, length, doff) in zip(block, ranges):
         assert torch.equal(dest[doff:doff + length].view(t.dtype).view(t.shape), idx.read_tensor(t.name))
 
 
-def test_large_range_is_chunked(model):
+def test_large_range_is_chunked(model, open_reader):
     raw = _file_bytes(model)
     size = raw.numel()
     dest = torch.zeros(size + 100, dtype=torch.uint8)
-    with BlockReader(model, workers=3, chunk_bytes=4096, drop_cache=False) as r:
+    with open_reader(model, workers=3, chunk_bytes=4096, drop_cache=False) as r:
         assert r.read_into(dest, [(0, size, 100)]).result(timeout=TIMEOUT) == size
         assert r.reads >= -(-size // 4096)
     assert torch.equal(dest[100:], raw) and not dest[:100].any()
 
 
-def test_no_ranges_and_bad_arguments(model):
-    with BlockReader(model, workers=1) as r:
+def test_no_ranges_and_bad_arguments(model, open_reader):
+    with open_reader(model, workers=1) as r:
         assert r.read_into(torch.empty(0, dtype=torch.uint8), []).result(timeout=TIMEOUT) == 0
         with pytest.raises(ValueError, match="does not fit a destination of 10 bytes"):
             r.read_into(torch.empty(10, dtype=torch.uint8), [(0, 11, 0)])
@@ -83,9 +105,9 @@ def test_no_ranges_and_bad_arguments(model):
             r.read_into(torch.empty(10, dtype=torch.float32), [(0, 4, 0)])
 
 
-def test_truncated_after_open(model):
+def test_truncated_after_open(model, open_reader):
     size = os.path.getsize(model)
-    with BlockReader(model, workers=4, chunk_bytes=8192) as r:
+    with open_reader(model, workers=4, chunk_bytes=8192) as r:
         with open(model, "r+b") as f:
             f.truncate(size // 2)
         dest = torch.zeros(size, dtype=torch.uint8)
@@ -101,14 +123,14 @@ def test_truncated_after_open(model):
         assert r.read_into(ok, [(0, 100, 0)]).result(timeout=TIMEOUT) == 100
 
 
-def test_missing_file(tmp_path):
+def test_missing_file(tmp_path, portable):
     with pytest.raises(BlockReadError, match=re.escape(str(tmp_path / "gone.safetensors")) + ": cannot open"):
-        BlockReader(str(tmp_path / "gone.safetensors"))
+        BlockReader(str(tmp_path / "gone.safetensors"), portable=portable)
 
 
-def test_close_is_idempotent_and_closes_fds(model):
+def test_close_is_idempotent_and_closes_fds(model, open_reader):
     before = _fds()
-    r = BlockReader(model, workers=5)
+    r = open_reader(model, workers=5)
     assert len(_fds() - before) == 5
     dest = torch.empty(64, dtype=torch.uint8)
     r.read_into(dest, [(0, 64, 0)]).result(timeout=TIMEOUT)
@@ -119,21 +141,64 @@ def test_close_is_idempotent_and_closes_fds(model):
         r.read_into(dest, [(0, 64, 0)])
 
 
-def test_close_waits_for_reads_in_flight(model):
+def test_close_waits_for_reads_in_flight(model, open_reader):
     size = os.path.getsize(model)
     dest = torch.zeros(size, dtype=torch.uint8)
-    r = BlockReader(model, workers=2, chunk_bytes=1024)
+    r = open_reader(model, workers=2, chunk_bytes=1024)
     fut = r.read_into(dest, [(0, size, 0)])
     r.close()
     assert fut.done() and fut.result() == size
     assert torch.equal(dest, _file_bytes(model))
 
 
-def test_pinned_destination(model):
+def test_pinned_destination(model, open_reader):
     if not torch.cuda.is_available():
         pytest.skip("pinned memory needs CUDA")
     size = os.path.getsize(model)
     dest = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    with BlockReader(model) as r:
+    with open_reader(model) as r:
         r.read_into(dest, [(0, size, 0)]).result(timeout=TIMEOUT)
     assert torch.equal(dest, _file_bytes(model))
+
+
+def test_concurrent_reads_from_several_threads(model, open_reader):
+    """Several callers at once, each many small chunks, all workers busy: every byte right."""
+    raw = _file_bytes(model)
+    size = raw.numel()
+    rng = random.Random(2)
+    jobs = []
+    for _ in range(12):
+        ranges, pos = [], 0
+        for _ in range(20):
+            off = rng.randrange(size)
+            length = rng.randrange(1, min(50_000, size - off) + 1)
+            ranges.append((off, length, pos))
+            pos += length
+        jobs.append((torch.zeros(pos, dtype=torch.uint8), ranges))
+    futures = [None] * len(jobs)
+    with open_reader(model, workers=6, chunk_bytes=3000) as r:
+        def submit(i):
+            futures[i] = r.read_into(*jobs[i])
+        threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        total = sum(f.result(timeout=TIMEOUT) for f in futures)
+        assert total == sum(d.numel() for d, _ in jobs) == r.bytes_read
+    for dest, ranges in jobs:
+        for off, length, doff in ranges:
+            assert torch.equal(dest[doff:doff + length], raw[off:off + length])
+
+
+def test_read_method_choice(model, monkeypatch):
+    positioned = PREADV if hasattr(os, "preadv") else PREAD if hasattr(os, "pread") else SEEK_READINTO
+    monkeypatch.delenv(PORTABLE_ENV, raising=False)
+    assert read_method() == read_method(False) == positioned
+    assert read_method(True) == SEEK_READINTO
+    monkeypatch.setenv(PORTABLE_ENV, "1")
+    assert read_method() == SEEK_READINTO and read_method(False) == positioned
+    with BlockReader(model, workers=1) as r:  # the loader's call: the variable decides
+        assert r.method == SEEK_READINTO
+    monkeypatch.setenv(PORTABLE_ENV, "0")
+    assert read_method() == positioned
