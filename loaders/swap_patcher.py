@@ -22,9 +22,13 @@ import comfy.model_management
 import comfy.model_patcher
 
 from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
+from ..swap.host_pool import set_pin_budget
 from . import comfy_features as features
 
 log = logging.getLogger("ringswap.patcher")
+
+if features.ComfyPinBudget.available():   # RingSwap's pins count in ComfyUI's pin budget
+    set_pin_budget(features.ComfyPinBudget())
 
 # Names of block lists in ComfyUI's DiTs, in execution order where a model has several.
 BLOCK_LIST_NAMES = ("blocks", "double_blocks", "single_blocks", "transformer_blocks", "joint_blocks", "layers")

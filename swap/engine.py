@@ -259,10 +259,11 @@ class BlockSwapEngine:
         gib = sum(self.states[i].layout.nbytes for i in plan.streamed) / 2**30
         if pin_memory == "on":
             raise RuntimeError(
-                f"pin_memory='on' but page-locking {len(plan.streamed)} blocks ({gib:.1f} GiB) failed; "
-                "free RAM, lower the streamed share (a larger window) or use pin_memory='auto'")
-        log.warning("RingSwap: could not pin %.1f GiB of host memory; using pageable memory with "
-                    "a pinned staging ring (slower copies)", gib)
+                f"pin_memory='on' but page-locking {len(plan.streamed)} blocks ({gib:.1f} GiB) failed (refused "
+                "by the OS or over the host's pin budget); free RAM, lower the streamed share (a larger window) "
+                "or use pin_memory='auto'")
+        log.warning("RingSwap: could not pin %.1f GiB of host memory (refused by the OS or over the host's "
+                    "pin budget); using pageable memory with a pinned staging ring (slower copies)", gib)
         return "staged"
 
     def detach(self) -> None:

@@ -4,19 +4,38 @@ PyTorch's pinned caching allocator rounds allocations up (to powers of two), whi
 cost up to ~1.7x the model's size in locked RAM; so each block gets a plain buffer of
 its exact size (rounded to whole pages) that is page-locked in place with
 cudaHostRegister (what ComfyUI itself uses). Written here because no library offers
-exact-size pinned buffers. When pinning is off, fails, or there is no CUDA, the pool
-stays pageable and the ring copies through a few staging buffers instead.
+exact-size pinned buffers. When pinning is off, fails, is over the host's pin budget
+(`set_pin_budget`), or there is no CUDA, the pool stays pageable and the ring copies
+through a few staging buffers instead.
 """
 from __future__ import annotations
 
 import logging
 import mmap
+from typing import Protocol
 
 import torch
 
 log = logging.getLogger("ringswap.host_pool")
 
 PAGE = 4096
+
+
+class PinBudget(Protocol):
+    """Who else counts page-locked memory (e.g. the host application's own limit)."""
+
+    def reserve(self, ptr: int, nbytes: int) -> bool: ...   # False: over the budget, do not pin
+
+    def release(self, ptr: int) -> None: ...
+
+
+_budget: PinBudget | None = None
+
+
+def set_pin_budget(budget: PinBudget | None) -> None:
+    """Count every pin of this process in `budget` (None: pin whatever CUDA allows)."""
+    global _budget
+    _budget = budget
 
 
 def _page_round(n: int) -> int:
@@ -43,6 +62,7 @@ class HostBuffer:
         self.flat = self._region[:nbytes]
         self.nbytes = nbytes
         self.pinned = False
+        self._budget: PinBudget | None = None   # the budget this pin was counted in
 
     @property
     def locked_bytes(self) -> int:
@@ -54,17 +74,25 @@ class HostBuffer:
             return True
         if not torch.cuda.is_available():
             return False
-        err = torch.cuda.cudart().cudaHostRegister(self._region.data_ptr(), self._region.numel(), 0)
+        ptr, size = self._region.data_ptr(), self._region.numel()
+        if _budget is not None and not _budget.reserve(ptr, size):
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
         if int(err) != 0:
             _clear_cuda_error()
+            if _budget is not None:
+                _budget.release(ptr)
             return False
         self.pinned = True
+        self._budget = _budget
         return True
 
     def unpin(self) -> None:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self._region.data_ptr())
             self.pinned = False
+            if self._budget is not None:
+                self._budget.release(self._region.data_ptr())
 
     def __del__(self):
         try:
