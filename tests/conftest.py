@@ -38,22 +38,13 @@ CUDA = torch.cuda.is_available()
 DYNAMIC_VRAM = os.environ.get("RINGSWAP_DYNAMIC_VRAM") == "1"
 
 
-def _start_dynamic_vram() -> None:
-    """What ComfyUI 0.33's main.py does when dynamic VRAM is on (main.py, `enables_dynamic_vram`)."""
-    import comfy.memory_management
-    import comfy.model_patcher
-    import comfy_aimdo.control
-    if not comfy_aimdo.control.init():
-        raise RuntimeError("RINGSWAP_DYNAMIC_VRAM=1: comfy_aimdo.control.init() failed")
-    if CUDA and not comfy_aimdo.control.init_devices(
-            (d.index, 0) for d in comfy.model_management.get_all_torch_devices()):
-        raise RuntimeError("RINGSWAP_DYNAMIC_VRAM=1: comfy_aimdo.control.init_devices() failed on CUDA")
-    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
-    comfy.memory_management.aimdo_enabled = True
-
-
 if DYNAMIC_VRAM:
-    _start_dynamic_vram()
+    from support import dynamic_vram
+    dynamic_vram.start()
+
+# Servers run in the same mode as the in-process tests: ComfyUI 0.33 turns dynamic VRAM on
+# by itself on NVIDIA, so without RINGSWAP_DYNAMIC_VRAM=1 a CUDA server is told not to.
+SERVER_ARGS = ("--disable-dynamic-vram",) if CUDA and not DYNAMIC_VRAM and hasattr(args, "disable_dynamic_vram") else ()
 
 
 def pytest_report_header(config):

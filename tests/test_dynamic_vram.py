@@ -19,7 +19,7 @@ from ringswap.loaders.model_loader import load_swapped_model
 from ringswap.loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ringswap.nodes.patch import RingSwapPatch
 from support.lora_files import build_lora
-from wan_model import forward, inputs, load_stock, tiny_wan
+from wan_model import forward, inputs, tiny_wan
 
 pytestmark = pytest.mark.skipif(not DYNAMIC_VRAM, reason="needs RINGSWAP_DYNAMIC_VRAM=1 (ComfyUI 0.33+)")
 
@@ -27,6 +27,12 @@ pytestmark = pytest.mark.skipif(not DYNAMIC_VRAM, reason="needs RINGSWAP_DYNAMIC
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory):
     return tiny_wan(str(tmp_path_factory.mktemp("dyn")), blocks=5)
+
+
+def load_stock(path):
+    """Load Diffusion Model as ComfyUI builds it with dynamic VRAM on (lazy ops; on a CPU
+    under a static patcher, correct for fp32 files)."""
+    return comfy.sd.load_diffusion_model(path)
 
 
 def outputs(model, seeds=(0, 1)):

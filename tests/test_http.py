@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import COMFY, CUDA
+from conftest import COMFY, CUDA, SERVER_ARGS
 from support.comfy_server import ComfyServer
 from support.wan_files import write_tiny_wan
 from support.workflows import build_workflow
@@ -19,7 +19,7 @@ UNET = "tiny_wan.safetensors"
 def server(tmp_path_factory):
     models = tmp_path_factory.mktemp("models")
     write_tiny_wan(os.path.join(models, "diffusion_models", UNET), dim=128, num_layers=6, ffn_dim=256)
-    with ComfyServer(COMFY, str(models), cpu=not CUDA) as srv:
+    with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS) as srv:
         yield srv
 
 

@@ -7,20 +7,25 @@ from safetensors.torch import save_file
 
 import comfy.model_management
 
+from ringswap.loaders import comfy_features as features
 from ringswap.loaders.model_loader import load_swapped_model
 from ringswap.loaders.swap_patcher import SwapSettings
 from support.quant_files import dequantized_state_dict, write_quant_wan
 from wan_model import forward, inputs, load_stock
 
-STOCK_HANDLES = ("bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2", "scaled_fp8", "quant_metadata")
-REFERENCE_ONLY = ("comfy_quant", "nvfp4")   # 0.3.75's stock loader: silently wrong / refuses
+# 0.3.75's stock loader reads comfy_quant files silently wrong and refuses nvfp4; ComfyUI
+# versions that read `.comfy_quant` themselves (0.33) load both, and are the reference.
+NEWER = ("comfy_quant", "nvfp4")
+STOCK_HANDLES = ("bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2", "scaled_fp8", "quant_metadata") \
+    + (NEWER if features.reads_comfy_quant() else ())
+REFERENCE_ONLY = NEWER
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("formats")
     out = {}
-    for fmt in STOCK_HANDLES + REFERENCE_ONLY:
+    for fmt in dict.fromkeys(STOCK_HANDLES + REFERENCE_ONLY):
         p = str(d / f"{fmt}.safetensors")
         write_quant_wan(p, fmt, dim=256, num_layers=4, ffn_dim=1024)   # big enough for meta tensors
         out[fmt] = p

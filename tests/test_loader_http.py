@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import COMFY, CUDA
+from conftest import COMFY, CUDA, SERVER_ARGS
 from support.comfy_server import ComfyServer
 from support.wan_files import write_tiny_wan
 from support.workflows import build_workflow
@@ -38,7 +38,7 @@ def server(tmp_path_factory):
     write_tiny_wan(os.path.join(models, "diffusion_models", UNET), dim=128, num_layers=BLOCKS,
                    ffn_dim=256, dtype=torch.bfloat16, seed=7)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}   # tiny model; 2 threads thrash on a busy box
-    with ComfyServer(COMFY, str(models), cpu=not CUDA, env=env) as srv:
+    with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS, env=env) as srv:
         yield srv
 
 

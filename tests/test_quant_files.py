@@ -28,6 +28,7 @@ import torch
 import comfy.model_management
 import comfy.sd
 
+from wan_model import load_stock
 from support.quant_files import (FORMATS, dequantize_nvfp4, dequantized_state_dict,
                                  detect_format, original_state_dict, quantized_layer_names,
                                  read_file, write_quant_wan)
@@ -207,7 +208,7 @@ def _block_linear(patcher, name="self_attn.q", block=0):
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32", "fp8_e4m3fn", "fp8_e5m2"])
 def test_stock_load_plain(files, fmt):
     deq = dequantized_state_dict(files[fmt])
-    patcher = comfy.sd.load_diffusion_model(files[fmt])
+    patcher = load_stock(files[fmt])
     m = _block_linear(patcher)
     assert type(m).__qualname__ == "disable_weight_init.Linear"
     assert type(m.weight) is torch.nn.Parameter
@@ -221,7 +222,7 @@ def test_stock_load_plain(files, fmt):
 def test_stock_load_scaled_fp8(files):
     deq = dequantized_state_dict(files["scaled_fp8"])
     tensors, _ = read_file(files["scaled_fp8"])
-    patcher = comfy.sd.load_diffusion_model(files["scaled_fp8"])
+    patcher = load_stock(files["scaled_fp8"])
     out = _forward(patcher)
     ref = _reference_output(deq)
     m = _block_linear(patcher)
@@ -256,7 +257,7 @@ def test_stock_load_scaled_fp8(files):
 def test_stock_load_quant_metadata(files):
     deq = dequantized_state_dict(files["quant_metadata"])
     tensors, _ = read_file(files["quant_metadata"])
-    patcher = comfy.sd.load_diffusion_model(files["quant_metadata"])
+    patcher = load_stock(files["quant_metadata"])
     m = _block_linear(patcher)
     from comfy.quant_ops import QuantizedTensor
     w = m._parameters["weight"]
@@ -284,7 +285,7 @@ def test_stock_load_comfy_quant(files):
     (only a 'unet unexpected' log line): silently wrong. Newer ComfyUI: exact."""
     deq = dequantized_state_dict(files["comfy_quant"])
     tensors, _ = read_file(files["comfy_quant"])
-    patcher = comfy.sd.load_diffusion_model(files["comfy_quant"])
+    patcher = load_stock(files["comfy_quant"])
     out = _forward(patcher)
     err = _rel(out, _reference_output(deq))
     if not OLD_COMFY:
@@ -305,8 +306,8 @@ def test_stock_load_comfy_quant(files):
 def test_stock_load_nvfp4(files):
     if not OLD_COMFY:
         deq = dequantized_state_dict(files["nvfp4"])
-        patcher = comfy.sd.load_diffusion_model(files["nvfp4"])
+        patcher = load_stock(files["nvfp4"])
         assert _rel(_forward(patcher), _reference_output(deq)) < 1e-4
         return
     with pytest.raises(RuntimeError, match="size mismatch for blocks.0.self_attn.q.weight"):
-        comfy.sd.load_diffusion_model(files["nvfp4"])
+        load_stock(files["nvfp4"])

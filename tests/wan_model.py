@@ -19,7 +19,14 @@ def tiny_wan(tmp_dir, blocks=BLOCKS, dim=128, ffn_dim=256, seed=0, dtype=torch.f
 
 
 def load_stock(path):
-    """The stock Load Diffusion Model path (UNETLoader)."""
+    """The stock Load Diffusion Model path (UNETLoader), as a user of this ComfyUI gets it.
+    With dynamic VRAM started on a CPU-only machine (RINGSWAP_DYNAMIC_VRAM=1 in CI), which
+    ComfyUI's main.py never does, its lazy ops would keep the file's dtype uncast under a
+    static patcher; the CPU user's model is built without them (what main.py gives a CPU)."""
+    if os.environ.get("RINGSWAP_DYNAMIC_VRAM") == "1" and not torch.cuda.is_available():
+        from ringswap.loaders.comfy_features import static_construction
+        with static_construction():
+            return comfy.sd.load_diffusion_model(path)
     return comfy.sd.load_diffusion_model(path)
 
 
