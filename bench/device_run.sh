@@ -2,36 +2,50 @@
 # The usual GPU checks in one device call (bench/DEVICE.md): each part under its own time
 # limit, logs and JSON under $OUT (or ./out/device when OUT is unset), a summary at the end.
 #   run(carry=[".whl"], command="bash bench/device_run.sh suite fold stream-quant")
-# Parts: suite (all tests, ~3 min), fold (bench/fold.py, ~1.5 min), kernels
+#   run(carry=[".whl", ".comfyui-0.33-device"], command="bash bench/device_run.sh suite-033")
+# Parts: suite (all tests on ComfyUI 0.3.75, ~3 min), suite-033 (all tests on ComfyUI
+# 0.33.0, dynamic VRAM off), suite-033-dyn (the same with 0.33's dynamic VRAM started as
+# its main.py does, RINGSWAP_DYNAMIC_VRAM=1), fold (bench/fold.py, ~1.5 min), kernels
 # (bench/fold_kernels.py, ~1 min), stream-quant (stream.py, scaled fp8 + nvfp4, ~4 min),
-# stream-bf16 (stream.py, bf16, ~5 min). A call may run 10 minutes: pick parts that fit.
+# stream-bf16 (stream.py, bf16, ~5 min). A call may run 10 minutes: pick parts that fit
+# (two suites at most). The -033 parts need .comfyui-0.33-device in carry. fold, kernels
+# and stream-* run on the ComfyUI that RINGSWAP_COMFY names (default 0.3.75).
 set -u
 OUT="${OUT:-$(pwd)/out/device}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-source scripts/device_setup.sh >/dev/null || exit 1
 summary=()
-part() {   # part NAME SECONDS COMMAND...
-  local name=$1 secs=$2; shift 2
+part() {   # part NAME SECONDS COMFY DYN COMMAND...   (COMFY: 0.3.75 or 0.33; DYN: 0, 1 or "")
+  local name=$1 secs=$2 comfy=$3 dyn=$4; shift 4
   local t0=$SECONDS
-  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+  # a subshell per part: its own RINGSWAP_COMFY, setup and RINGSWAP_COMFYUI_DIR
+  (
+    export RINGSWAP_COMFY="$comfy"
+    [ -z "$dyn" ] || export RINGSWAP_DYNAMIC_VRAM="$dyn"   # "": as the caller has it
+    source scripts/device_setup.sh || { echo "[device_run] setup failed"; exit 97; }
+    exec timeout "$secs" "$@"
+  ) >"$OUT/$name.log" 2>&1
   local rc=$?
-  summary+=("$name: rc=$rc in $((SECONDS - t0)) s")
+  summary+=("$name: rc=$rc in $((SECONDS - t0)) s$([ $rc = 97 ] && echo ' (setup failed, see its log)')")
 }
+pytest=(python3 -m pytest -q -p no:cacheprovider tests)
+bench_comfy="${RINGSWAP_COMFY:-0.3.75}"
 for p in "$@"; do
   case $p in
-    suite) part suite 260 python3 -m pytest -q -p no:cacheprovider tests ;;
-    fold) part fold 150 python3 bench/fold.py ;;
-    kernels) part kernels 120 python3 bench/fold_kernels.py ;;
-    stream-quant) part stream_quant 330 python3 bench/stream.py --formats scaled_fp8 nvfp4 --odirect-gb 0 \
-                    --budget-s 300 --json "$OUT/stream_quant.json" ;;
-    stream-bf16) part stream_bf16 420 python3 bench/stream.py --formats bf16 --odirect-gb 0 \
+    suite) part suite 260 0.3.75 0 "${pytest[@]}" ;;
+    suite-033) part suite_033 270 0.33 0 "${pytest[@]}" ;;
+    suite-033-dyn) part suite_033_dyn 290 0.33 1 "${pytest[@]}" ;;
+    fold) part fold 150 "$bench_comfy" "" python3 bench/fold.py ;;
+    kernels) part kernels 120 "$bench_comfy" "" python3 bench/fold_kernels.py ;;
+    stream-quant) part stream_quant 330 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 nvfp4 \
+                    --odirect-gb 0 --budget-s 300 --json "$OUT/stream_quant.json" ;;
+    stream-bf16) part stream_bf16 420 "$bench_comfy" "" python3 bench/stream.py --formats bf16 --odirect-gb 0 \
                    --budget-s 390 --json "$OUT/stream_bf16.json" ;;
-    *) echo "unknown part: $p (suite fold kernels stream-quant stream-bf16)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn fold kernels stream-quant stream-bf16)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
   echo "== $(basename "$f")"
-  grep -E "passed|failed|FAILED|^\| |PASS|FAIL|BEST|ms per" "$f" | tail -25
+  grep -E "device_setup|passed|failed|FAILED|^\| |PASS|FAIL|BEST|ms per" "$f" | tail -25
 done
 printf '%s\n' "${summary[@]}"

