@@ -5,7 +5,8 @@
 #   run(carry=[".whl", ".comfyui-0.33-device"], command="bash bench/device_run.sh suite-033")
 # Parts: suite (all tests on ComfyUI 0.3.75, ~3 min), suite-033 (all tests on ComfyUI
 # 0.33.0, dynamic VRAM off), suite-033-dyn (the same with 0.33's dynamic VRAM started as
-# its main.py does, RINGSWAP_DYNAMIC_VRAM=1), fold (bench/fold.py, ~1.5 min), kernels
+# its main.py does, RINGSWAP_DYNAMIC_VRAM=1), gpu / gpu-033 / gpu-033-dyn (only the tests
+# marked gpu, same three runtimes), dyn-bench (bench/dynamic_vram.py on 0.33, ~6 min), fold (bench/fold.py, ~1.5 min), kernels
 # (bench/fold_kernels.py, ~1 min), stream-quant (stream.py, scaled fp8 + nvfp4, ~4 min),
 # stream-bf16 (stream.py, bf16, ~5 min). A call may run 10 minutes: pick parts that fit
 # (two suites at most). The -033 parts need .comfyui-0.33-device in carry. fold, kernels
@@ -35,13 +36,17 @@ for p in "$@"; do
     suite) part suite 260 0.3.75 0 "${pytest[@]}" ;;
     suite-033) part suite_033 270 0.33 0 "${pytest[@]}" ;;
     suite-033-dyn) part suite_033_dyn 290 0.33 1 "${pytest[@]}" ;;
+    gpu) part gpu 150 0.3.75 0 "${pytest[@]}" -m gpu ;;
+    gpu-033) part gpu_033 150 0.33 0 "${pytest[@]}" -m gpu ;;
+    gpu-033-dyn) part gpu_033_dyn 150 0.33 1 "${pytest[@]}" -m gpu ;;
+    dyn-bench) part dyn_bench 560 0.33 "" python3 bench/dynamic_vram.py --json "$OUT/dynamic_vram.json" ;;
     fold) part fold 150 "$bench_comfy" "" python3 bench/fold.py ;;
     kernels) part kernels 120 "$bench_comfy" "" python3 bench/fold_kernels.py ;;
     stream-quant) part stream_quant 330 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 nvfp4 \
                     --odirect-gb 0 --budget-s 300 --json "$OUT/stream_quant.json" ;;
     stream-bf16) part stream_bf16 420 "$bench_comfy" "" python3 bench/stream.py --formats bf16 --odirect-gb 0 \
                    --budget-s 390 --json "$OUT/stream_bf16.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn fold kernels stream-quant stream-bf16)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench fold kernels stream-quant stream-bf16)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
