@@ -34,7 +34,7 @@ _ringswap_device_setup() {
   esac
 
   # 1. wheels -> /tmp/site (skipped when the same set is installed already)
-  stamp="$(cd "$root/.whl" && ls -l *.whl | awk '{print $5, $NF}' | tr '\n' ' ')"
+  stamp="$(cd "$root/.whl" && ls -l *.whl | awk '{print $5, $NF}' | tr '\n' ' ') $(cksum <"$root/scripts/device_setup.sh")"
   if [ "$(cat "$site/.ringswap-stamp" 2>/dev/null)" != "$stamp" ]; then
     rm -rf "$site" || { _rs_fail "cannot remove $site"; return 1; }
     PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \
@@ -59,6 +59,10 @@ _MSG = "PyAV is not installed on this machine (RingSwap's av stand-in): no video
 
 class _Meta(type):
     def __getattr__(cls, name):  # av.AudioFrame.from_ndarray(...) and the like
+        if name.isupper():   # an enum member used at import (ComfyUI 0.33: ColorTrc.BT709): a distinct placeholder
+            member = type(f"{cls.__name__}.{name}", (_Placeholder,), {"__module__": cls.__module__})
+            setattr(cls, name, member)
+            return member
         raise AttributeError(f"{cls.__name__}.{name}: {_MSG}")
 
 
