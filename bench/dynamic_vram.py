@@ -67,11 +67,11 @@ def child(a) -> dict:
     from comfy.cli_args import args
     if a.device == "cpu":
         args.cpu = True
-    import comfy.model_management as mm
+    import dynamic_vram   # tests/support: what ComfyUI 0.33's main.py does
+    dynamic_vram.init_library()
     import comfy.sample
     import comfy.sd
-    from dynamic_vram import start
-    start()
+    dynamic_vram.enable()
     from ringswap.loaders.model_loader import load_swapped_model
     from ringswap.loaders.swap_patcher import SwapSettings
     from ringswap.nodes.patch import RingSwapPatch

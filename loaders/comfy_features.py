@@ -80,6 +80,13 @@ def set_inference_dtype(model_config, dtype, manual_cast_dtype, device: torch.de
         model_config.set_inference_dtype(dtype, manual_cast_dtype)
 
 
+def lora_patch_dtype(device: torch.device) -> torch.dtype:
+    """The dtype ComfyUI patches (LoRA) weights in on `device`: 0.33's `lora_compute_dtype`
+    (float16 where the device runs it), float32 before it had one."""
+    fn = getattr(comfy.model_management, "lora_compute_dtype", None)
+    return fn(device) if fn is not None else torch.float32
+
+
 # ----- dynamic VRAM -------------------------------------------------------------------
 def is_dynamic(patcher) -> bool:
     """Was this MODEL built for ComfyUI's dynamic VRAM (weights cast at use, from an mmap)?"""

@@ -181,7 +181,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         engine = self.swap_engine
         window = self._window(lowvram_model_memory, full_load)
         plan = engine.attach(device, window, self.ringswap.prefetch, self.ringswap.pin_memory,
-                             owner=weakref.ref(self), on_land=self._block_folder())
+                             owner=weakref.ref(self), on_land=self._block_folder(device))
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:
@@ -197,15 +197,15 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
                  engine.memory, engine.device_bytes() / 1e9, engine.pool.nbytes / 1e9,
                  time.perf_counter() - t0, " (switched from another block-swapped model)" if switched else "")
 
-    def _block_folder(self):
+    def _block_folder(self, device: torch.device):
         """The LoRA fold to run on each block as it lands (None without block patches).
-        Cached per patches_uuid, so re-attaching with unchanged patches keeps the ring."""
+        Cached per patches_uuid and device, so re-attaching with unchanged patches keeps the ring."""
         if not self.patches:
             return None
         from ..lora.fold import block_folder
         cached = self.__dict__.get("_ringswap_folder")
-        if cached is None or cached[0] != self.patches_uuid:
-            cached = (self.patches_uuid, block_folder(self))
+        if cached is None or cached[0] != (self.patches_uuid, device):
+            cached = ((self.patches_uuid, device), block_folder(self, features.lora_patch_dtype(device)))
             self.__dict__["_ringswap_folder"] = cached
         return cached[1]
 

@@ -10,7 +10,8 @@ a strength change or a removed LoRA only needs a new fold plan.
 
 Per weight, by storage:
 - plain float (fp32/bf16/fp16, and fp8 without a scale): exactly ComfyUI's
-  `ModelPatcher.patch_weight_to_device`: to float32, `comfy.lora.calculate_weight`,
+  `ModelPatcher.patch_weight_to_device`: to float32 (ComfyUI 0.33: its `lora_compute_dtype`
+  of the device, float16 on most GPUs), `comfy.lora.calculate_weight`,
   `comfy.float.stochastic_rounding(out, dtype, seed=string_to_seed(key))` (for fp32/bf16/
   fp16 a plain round-to-nearest cast; for fp8 ComfyUI's seeded stochastic rounding), so
   the folded weights equal ComfyUI's own patching bit for bit;
@@ -306,9 +307,9 @@ class _Op:
 class _PlainOp(_Op):
     """ComfyUI's patch_weight_to_device, on the slot's tensor."""
 
-    def __init__(self, key, patches, entry: int):
+    def __init__(self, key, patches, entry: int, patch_dtype: torch.dtype):
         super().__init__(key, patches)
-        self.entry = entry
+        self.entry, self.patch_dtype = entry, patch_dtype
         self.seed = _string_to_seed(key)
 
     def __call__(self, tensors):
@@ -316,7 +317,7 @@ class _PlainOp(_Op):
         if self.fused(t):
             self.add_delta(t)
             return
-        w = t.to(torch.float32, copy=True)
+        w = t.to(self.patch_dtype, copy=True)
         out = comfy.lora.calculate_weight(self.patches, w, self.key)
         t.copy_(comfy.float.stochastic_rounding(out, t.dtype, seed=self.seed))
 
@@ -411,7 +412,7 @@ def _kitchen_from_float(w: torch.Tensor, layout_cls: str, **kwargs):
                                    lambda: KitchenTensor.from_float(w, layout_cls, **kwargs))
 
 
-def _make_op(key, patches, layout, attr, attrs_by_name) -> _Op:
+def _make_op(key, patches, layout, attr, attrs_by_name, patch_dtype: torch.dtype) -> _Op:
     entries = layout.entries
     if attr.codec is None:
         e = entries[attr.entries[0]]
@@ -425,7 +426,7 @@ def _make_op(key, patches, layout, attr, attrs_by_name) -> _Op:
                 if se is not None and se.dtype in (torch.float32, torch.float16, torch.bfloat16) \
                         and torch.Size(se.shape).numel() == 1:
                     return _ScaledFp8Op(key, patches, attr.entries[0], s.entries[0])
-        return _PlainOp(key, patches, attr.entries[0])
+        return _PlainOp(key, patches, attr.entries[0], patch_dtype)
     joined = attr.codec.join(attr.spec, _meta(entries, attr.entries))
     if KitchenTensor is not None and isinstance(joined, KitchenTensor):
         layout_cls, params, fields = attr.spec
@@ -481,9 +482,11 @@ def _comfyui_patches(block, attr) -> bool:
     return all(name in own for name, _ in module.named_parameters())
 
 
-def block_folder(patcher) -> FoldFn | None:
+def block_folder(patcher, patch_dtype: torch.dtype = torch.float32) -> FoldFn | None:
     """The per-landing fold of `patcher`'s block patches, or None if no block weight is
-    patched. Raises ValueError for a patch that cannot apply (e.g. a shape mismatch)."""
+    patched. `patch_dtype`: what ComfyUI patches plain weights in on the fold's device
+    (float32, or 0.33's `lora_compute_dtype`). Raises ValueError for a patch that cannot
+    apply (e.g. a shape mismatch)."""
     state = patcher.swap_state
     engine = state.engine
     ops: dict[int, list[_Op]] = {}
@@ -511,7 +514,7 @@ def block_folder(patcher) -> FoldFn | None:
             continue
         if all(p[3] is None for p in patches):
             check_patches(key, patches, _attr_shape(layout, attr))
-        ops.setdefault(b, []).append(_make_op(key, patches, layout, attr, names))
+        ops.setdefault(b, []).append(_make_op(key, patches, layout, attr, names, patch_dtype))
     if left_out:
         log.info("RingSwap LoRA: %d patched block tensors are left out, as ComfyUI's own loader leaves them "
                  "out (parameters of non-leaf modules, buffers), e.g. %s", len(left_out), left_out[0])

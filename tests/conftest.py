@@ -30,17 +30,17 @@ from comfy.cli_args import args  # noqa: E402
 
 if not torch.cuda.is_available():
     args.cpu = True
+CUDA = torch.cuda.is_available()
+DYNAMIC_VRAM = os.environ.get("RINGSWAP_DYNAMIC_VRAM") == "1"
+if DYNAMIC_VRAM:
+    from support import dynamic_vram
+    dynamic_vram.init_library()
 
 import comfy.model_management  # noqa: E402,F401
 import comfy.sd  # noqa: E402,F401
 
-CUDA = torch.cuda.is_available()
-DYNAMIC_VRAM = os.environ.get("RINGSWAP_DYNAMIC_VRAM") == "1"
-
-
 if DYNAMIC_VRAM:
-    from support import dynamic_vram
-    dynamic_vram.start()
+    dynamic_vram.enable()
 
 # Servers run in the same mode as the in-process tests: ComfyUI 0.33 turns dynamic VRAM on
 # by itself on NVIDIA, so without RINGSWAP_DYNAMIC_VRAM=1 a CUDA server is told not to.

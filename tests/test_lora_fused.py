@@ -23,7 +23,7 @@ def test_fused_fold_within_one_ulp_of_comfyui(tmp_path, monkeypatch):
                if k.startswith("diffusion_model.blocks.")}
     comfy.model_management.unload_all_models()
     model = apply_lora(load_swapped_model(path, SwapSettings(1, 1), home="ram"), sd, 0.8)
-    folder = model._block_folder()
+    folder = model._block_folder(model.load_device)
     assert all(op.pairs is not None for ops in folder.ops.values() for op in ops), "not all plain pairs"
     probe = FoldProbe(model, weights, ulps=1)
     try:
