@@ -307,7 +307,7 @@ class _Op:
 class _PlainOp(_Op):
     """ComfyUI's patch_weight_to_device, on the slot's tensor."""
 
-    def __init__(self, key, patches, entry: int, patch_dtype: torch.dtype):
+    def __init__(self, key, patches, entry: int, patch_dtype: torch.dtype = torch.float32):
         super().__init__(key, patches)
         self.entry, self.patch_dtype = entry, patch_dtype
         self.seed = _string_to_seed(key)
@@ -412,7 +412,7 @@ def _kitchen_from_float(w: torch.Tensor, layout_cls: str, **kwargs):
                                    lambda: KitchenTensor.from_float(w, layout_cls, **kwargs))
 
 
-def _make_op(key, patches, layout, attr, attrs_by_name, patch_dtype: torch.dtype) -> _Op:
+def _make_op(key, patches, layout, attr, attrs_by_name, patch_dtype: torch.dtype = torch.float32) -> _Op:
     entries = layout.entries
     if attr.codec is None:
         e = entries[attr.entries[0]]

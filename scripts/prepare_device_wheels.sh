@@ -14,9 +14,9 @@
 # *_tokenizer/ (read only when such a text encoder is built; `import nodes`, `comfy.sd`
 # and the test suite need none of it).
 # Not brought: torch/torchvision/torchaudio and anything preinstalled there; PyAV (`av`,
-# ~36 MB): device_setup.sh puts a stand-in `av` there instead (see bench/DEVICE.md);
-# PyOpenGL + comfy-angle (0.33's optional GLSL/3D nodes, 8.3 MB together): those few
-# nodes fail to import there, which the tests do not touch.
+# ~36 MB): device_setup.sh puts a stand-in `av` there instead (see bench/DEVICE.md).
+# PyOpenGL + comfy-angle (8.3 MB) are brought so that every stock node of 0.33 imports
+# (a test checks the server log for import failures).
 #
 # Knobs (environment):
 #   RINGSWAP_WHEELS_KITCHEN_CUDA=1  keep comfy-kitchen's CUDA extension (_C.abi3.so,
@@ -56,6 +56,7 @@ PINS=(
   spandrel==0.4.2                                  # comfy_extras upscale-model nodes
   comfy-aimdo==0.4.13                              # 0.33: dynamic VRAM (abi3, manylinux_2_17)
   simpleeval==1.0.8 blake3==1.0.11                 # 0.33: hard imports at startup
+  PyOpenGL==3.1.10 comfy-angle==0.1.1              # 0.33: its GLSL nodes import them (8.3 MB)
 )
 [ "${RINGSWAP_WHEELS_AV:-0}" = 1 ] && PINS+=(av==18.1.0)
 

@@ -28,7 +28,7 @@ from ringswap.nodes.lora import RingSwapLoRA, RingSwapLoRAStack
 from ringswap.nodes.patch import RingSwapPatch
 from support.lora_files import (FORMATS, build_lora, from_diffusers_names, other_arch_lora,
                                 write_lora)
-from wan_model import conditioning, forward, inputs, latent, load_stock, tiny_wan
+from wan_model import conditioning, forward, inputs, latent, load_stock, patched_weights, tiny_wan
 
 BLOCKS = 4
 
@@ -82,9 +82,9 @@ def comfy_reference(stock_model, lora_sd, strength=1.0, runs=True, n_inputs=2):
     """ComfyUI's own LoRA patching of the stock model: patched weights and outputs."""
     ref, _ = comfy.sd.load_lora_for_models(stock_model, None, from_diffusers_names(lora_sd), strength, 0)
     outs = [forward(ref, *inputs(seed=s)) for s in range(n_inputs)]
-    weights = {k: comfy.utils.get_attr(ref.model, k).detach().clone() for k in ref.patches}
     samples = [ksample(ref, seed) for seed in (11, 12)] if runs else []
     comfy.model_management.unload_all_models()
+    weights = patched_weights(stock_model, from_diffusers_names(lora_sd), strength)
     return {"weights": weights, "outs": outs, "runs": samples, "stock": stock_model}
 
 

@@ -1,7 +1,6 @@
 """The fused LoRA fold (CUDA's path) checked on the CPU against ComfyUI's own patching."""
 import comfy.model_management
 import comfy.sd
-import comfy.utils
 
 import ringswap.lora.fold as fold
 from ringswap.loaders.model_loader import load_swapped_model
@@ -9,7 +8,7 @@ from ringswap.loaders.swap_patcher import SwapSettings
 from ringswap.lora.apply import apply_lora
 from support.lora_files import build_lora, from_diffusers_names
 from test_lora import FoldProbe
-from wan_model import forward, inputs, load_stock, tiny_wan
+from wan_model import forward, inputs, load_stock, patched_weights, tiny_wan
 
 
 def test_fused_fold_within_one_ulp_of_comfyui(tmp_path, monkeypatch):
@@ -17,11 +16,7 @@ def test_fused_fold_within_one_ulp_of_comfyui(tmp_path, monkeypatch):
     path = tiny_wan(str(tmp_path), blocks=4)
     sd = build_lora("kohya", blocks=4)
     stock = load_stock(path)
-    ref, _ = comfy.sd.load_lora_for_models(stock, None, from_diffusers_names(sd), 0.8, 0)
-    forward(ref, *inputs(seed=0))
-    weights = {k: comfy.utils.get_attr(ref.model, k).detach().clone() for k in ref.patches
-               if k.startswith("diffusion_model.blocks.")}
-    comfy.model_management.unload_all_models()
+    weights = patched_weights(stock, from_diffusers_names(sd), 0.8, lambda k: k.startswith("diffusion_model.blocks."))
     model = apply_lora(load_swapped_model(path, SwapSettings(1, 1), home="ram"), sd, 0.8)
     folder = model._block_folder(model.load_device)
     assert all(op.pairs is not None for ops in folder.ops.values() for op in ops), "not all plain pairs"

@@ -16,7 +16,7 @@ from ringswap.lora.apply import apply_lora
 from ringswap.lora.fold import _KitchenOp, _PlainOp, _ScaledFp8Op, _kitchen_from_float
 from support.lora_files import LINEARS, build_lora, from_diffusers_names, kohya, linear_shape
 from test_lora import FoldProbe
-from wan_model import forward, inputs, load_stock, tiny_wan
+from wan_model import forward, inputs, load_stock, patched_weights, tiny_wan
 
 pytestmark = pytest.mark.gpu
 
@@ -28,8 +28,8 @@ def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype):
     stock = load_stock(path)
     ref, _ = comfy.sd.load_lora_for_models(stock, None, from_diffusers_names(sd), 1.0, 0)
     want = forward(ref, *inputs(seed=0))
-    weights = {k: comfy.utils.get_attr(ref.model, k).detach().clone() for k in ref.patches}
     comfy.model_management.unload_all_models()
+    weights = patched_weights(stock, from_diffusers_names(sd), 1.0)
     for window, prefetch in ((1, 1), (2, 1), (4, 0)):
         model = apply_lora(load_swapped_model(path, SwapSettings(window, prefetch), home="ram"), sd, 1.0)
         # plain LoRA pairs fold with a fused addmm_ on CUDA: within one unit in the last place

@@ -307,7 +307,8 @@ def test_stock_load_nvfp4(files):
     if not OLD_COMFY:
         deq = dequantized_state_dict(files["nvfp4"])
         patcher = load_stock(files["nvfp4"])
-        assert _rel(_forward(patcher), _reference_output(deq)) < 1e-4
+        tol = 1e-4 if comfy.model_management.get_torch_device().type == "cpu" else 5e-3   # CUDA: half precision
+        assert _rel(_forward(patcher), _reference_output(deq)) < tol
         return
     with pytest.raises(RuntimeError, match="size mismatch for blocks.0.self_attn.q.weight"):
         load_stock(files["nvfp4"])

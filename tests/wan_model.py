@@ -5,6 +5,7 @@ import torch
 
 import comfy.model_management
 import comfy.sd
+import comfy.utils
 
 from support.wan_files import write_tiny_wan
 
@@ -28,6 +29,29 @@ def load_stock(path):
         with static_construction():
             return comfy.sd.load_diffusion_model(path)
     return comfy.sd.load_diffusion_model(path)
+
+
+def static_twin(patcher):
+    """ComfyUI's static load (as with --disable-dynamic-vram) of the file a dynamic-VRAM
+    MODEL came from; any other MODEL itself. Under dynamic VRAM ComfyUI patches LoRAs at
+    use in the compute dtype and never stores patched weights: weight-level references
+    come from the static twin, outputs from the dynamic MODEL."""
+    from ringswap.loaders import comfy_features as features
+    if not features.is_dynamic(patcher):
+        return patcher
+    path, options = features.source_file(patcher)
+    with features.static_construction():
+        return comfy.sd.load_diffusion_model(path, model_options=options, disable_dynamic=True)
+
+
+def patched_weights(stock, lora_sd, strength, keys=lambda k: True):
+    """ComfyUI's own patched block/non-block weights for `lora_sd` (after one forward)."""
+    ref, _ = comfy.sd.load_lora_for_models(static_twin(stock), None, lora_sd, strength, 0)
+    with torch.no_grad():
+        forward(ref, *inputs(seed=0))
+    weights = {k: comfy.utils.get_attr(ref.model, k).detach().clone() for k in ref.patches if keys(k)}
+    comfy.model_management.unload_all_models()
+    return weights
 
 
 def inputs(seed=1, frames=2, size=8, ctx_len=8, device=None):
