@@ -39,7 +39,7 @@ for p in "$@"; do
     gpu) part gpu 150 0.3.75 0 "${pytest[@]}" -m gpu ;;
     gpu-033) part gpu_033 150 0.33 0 "${pytest[@]}" -m gpu ;;
     gpu-033-dyn) part gpu_033_dyn 150 0.33 1 "${pytest[@]}" -m gpu ;;
-    dyn-bench) part dyn_bench 560 0.33 "" python3 bench/dynamic_vram.py --json "$OUT/dynamic_vram.json" ;;
+    dyn-bench) part dyn_bench 470 0.33 "" python3 bench/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
     fold) part fold 150 "$bench_comfy" "" python3 bench/fold.py ;;
     kernels) part kernels 120 "$bench_comfy" "" python3 bench/fold_kernels.py ;;
     stream-quant) part stream_quant 330 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 nvfp4 \

@@ -186,6 +186,8 @@ def main() -> None:
         import quant_files
         info = stream.write_model(a.path, "bf16", wa, dev, quant_files, stream.wan_template(layers, dim, ffn), 3 << 30)
         stream.say(f"[dyn] wrote {a.path}: {info}")
+    if a.device == "cuda":
+        torch.cuda.empty_cache()   # the ballast sizes itself from what is free now
     results = []
     for config in a.configs:
         if a.drop_cache:
