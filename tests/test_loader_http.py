@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import COMFY, CUDA, SERVER_ARGS
+from ringswap.loaders import comfy_features as features
 from support.comfy_server import ComfyServer
+from support.quant_files import write_quant_wan
 from support.wan_files import write_tiny_wan
 from support.workflows import build_workflow
 
@@ -91,3 +93,34 @@ def test_loader_workflow_latent_equals_stock(server):
     assert "Exception during processing" not in log
     assert not [ln for ln in log.splitlines() if "ringswap" in ln.lower() and
                 ("error" in ln.lower() or "traceback" in ln.lower() or "warning" in ln.lower())]
+
+
+QUANT_FORMATS = ("scaled_fp8", "quant_metadata") + (("comfy_quant", "nvfp4") if features.reads_comfy_quant() else ())
+
+
+@pytest.fixture(scope="module")
+def quant_server(tmp_path_factory):
+    """A server with quantized files (4 blocks) in every format its stock loader reads."""
+    models = tmp_path_factory.mktemp("quant_models")
+    os.makedirs(os.path.join(models, "diffusion_models"))
+    for fmt in QUANT_FORMATS:
+        write_quant_wan(os.path.join(models, "diffusion_models", f"q_{fmt}.safetensors"), fmt,
+                        dim=256, num_layers=4, ffn_dim=1024)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS, env=env) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_quantized_loader_workflow_equals_stock(quant_server, fmt):
+    """As a new user would: UNETLoader and RingSwapModelLoader (window 2, prefetch 1) on the
+    same quantized file, both homes, give the same latent bit for bit."""
+    unet = f"q_{fmt}.safetensors"
+    ref = latent_of(quant_server, quant_server.run(
+        build_workflow(unet, use_patch=False, seed=5, steps=2, filename_prefix=f"stock_{fmt}"), timeout=300))
+    for home in ("ram", "disk"):
+        entry = quant_server.run(build_loader_workflow(unet, home=home, window=2, prefetch=1, seed=5, steps=2,
+                                                       filename_prefix=f"rs_{fmt}_{home}"), timeout=300)
+        got = latent_of(quant_server, entry)
+        err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert torch.equal(got, ref), f"{fmt} home={home}: relative difference {err:.2e} from UNETLoader's latent"
