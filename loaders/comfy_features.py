@@ -28,7 +28,7 @@ except ImportError:   # ComfyUI without dynamic VRAM
     _memory_management = None
 
 
-def _has_arg(fn, name: str) -> bool:
+def has_arg(fn, name: str) -> bool:
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -40,7 +40,7 @@ CONVERTS_OLD_QUANTS = hasattr(comfy.utils, "convert_old_quants")
 # the model config attribute that holds per-layer quantization ("quant_config" from 0.33 on)
 QUANT_CONFIG_ATTR = next((a for a in ("quant_config", "layer_quant_config")
                           if a in vars(comfy.supported_models_base.BASE)), None)
-SET_DTYPE_TAKES_DEVICE = _has_arg(comfy.supported_models_base.BASE.set_inference_dtype, "device")
+SET_DTYPE_TAKES_DEVICE = has_arg(comfy.supported_models_base.BASE.set_inference_dtype, "device")
 
 
 def convert_old_quants(sd: dict, metadata: dict) -> tuple[dict, dict]:
@@ -131,7 +131,7 @@ def source_file(patcher) -> tuple[str, dict] | None:
     return args[0], (dict(args[1]) if len(args) > 1 and args[1] else {})
 
 
-CLONE_TAKES_MODEL = _has_arg(comfy.model_patcher.ModelPatcher.clone, "model_override")
+CLONE_TAKES_MODEL = has_arg(comfy.model_patcher.ModelPatcher.clone, "model_override")
 
 
 def clone_onto(patcher, model):
@@ -140,7 +140,7 @@ def clone_onto(patcher, model):
     if not CLONE_TAKES_MODEL:
         raise RuntimeError("RingSwap: this ComfyUI's ModelPatcher.clone cannot take another model")
     override = (model, ({}, {}, {}, set()))
-    kwargs = {"disable_dynamic": True} if _has_arg(comfy.model_patcher.ModelPatcher.clone, "disable_dynamic") else {}
+    kwargs = {"disable_dynamic": True} if has_arg(comfy.model_patcher.ModelPatcher.clone, "disable_dynamic") else {}
     return comfy.model_patcher.ModelPatcher.clone(patcher, model_override=override, **kwargs)
 
 

@@ -70,7 +70,7 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
     weight_dtype = comfy.utils.weight_dtype(sd)
     load_device = comfy.model_management.get_torch_device()
     _check_blocks_complete(sd, list_names, path)
-    kwargs = {"metadata": metadata} if features._has_arg(comfy.model_detection.model_config_from_unet, "metadata") else {}
+    kwargs = {"metadata": metadata} if features.has_arg(comfy.model_detection.model_config_from_unet, "metadata") else {}
     model_config = comfy.model_detection.model_config_from_unet(sd, "", **kwargs)
     if model_config is None:
         raise ValueError(f"RingSwap: {path}: ComfyUI does not recognise this diffusion model "
