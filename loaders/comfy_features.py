@@ -10,6 +10,7 @@ pin budget (`MAX_PINNED_MEMORY`, `PINNED_MEMORY`, `ensure_pin_registerable`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 from typing import Iterator
@@ -29,6 +30,7 @@ except ImportError:   # ComfyUI without dynamic VRAM
 
 
 def has_arg(fn, name: str) -> bool:
+    """Does callable `fn` take an argument called `name`?"""
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -52,6 +54,7 @@ def convert_old_quants(sd: dict, metadata: dict) -> tuple[dict, dict]:
     return sd, metadata or {}
 
 
+@functools.cache
 def reads_comfy_quant() -> bool:
     """Does this ComfyUI build layers from per-layer `.comfy_quant` tensors itself?"""
     if CONVERTS_OLD_QUANTS:
@@ -134,7 +137,7 @@ def source_file(patcher) -> tuple[str, dict] | None:
 CLONE_TAKES_MODEL = has_arg(comfy.model_patcher.ModelPatcher.clone, "model_override")
 
 
-def clone_onto(patcher, model):
+def clone_onto(patcher, model) -> comfy.model_patcher.ModelPatcher:
     """A static ModelPatcher clone of `patcher` (patches, options, wrappers, callbacks...)
     whose model is `model` instead of its own."""
     if not CLONE_TAKES_MODEL:
