@@ -110,3 +110,18 @@ def test_model_loader_under_dynamic_vram_equals_static_stock(tmp_path, dtype):
         for k in range(2):
             assert torch.equal(got[k], ref[k]), f"{dtype} home={home} input {k}"
         comfy.model_management.unload_all_models()
+
+
+def test_patch_keeps_the_stock_loaders_options(wan):
+    """Load Diffusion Model's weight_dtype (model_options) is what RingSwap's own load uses too."""
+    options = {"dtype": torch.float8_e4m3fn}
+    stock = comfy.sd.load_diffusion_model(wan, model_options=options)
+    assert features.source_file(stock) == (wan, options)
+    with features.static_construction():
+        ref = outputs(comfy.sd.load_diffusion_model(wan, model_options=options, disable_dynamic=True))
+    comfy.model_management.unload_all_models()
+    (patched,) = RingSwapPatch().patch(stock, 2, 1, "auto")
+    assert patched.model.diffusion_model.blocks[0].self_attn.q.weight.dtype == torch.float8_e4m3fn
+    got = outputs(patched)
+    for k in range(2):
+        assert torch.equal(got[k], ref[k]), f"input {k}"
