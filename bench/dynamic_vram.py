@@ -23,7 +23,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -41,27 +40,6 @@ BALLAST = ("import sys, time, torch\n"
            "time.sleep(3600)\n")
 
 
-class PeakRSS:
-    """Host RSS peak of this process, sampled every 50 ms from a thread."""
-
-    def __init__(self):
-        import psutil
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-        self.base = self.proc.memory_info().rss
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.05)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        return max(self.peak, self.proc.memory_info().rss)
-
-
 def child(a) -> dict:
     """One configuration in this process: start ComfyUI's dynamic VRAM, load, sample."""
     from comfy.cli_args import args
@@ -76,7 +54,8 @@ def child(a) -> dict:
     from ringswap.loaders.swap_patcher import SwapSettings
     from ringswap.nodes.patch import RingSwapPatch
 
-    rss = PeakRSS()
+    rss_base = stream.rss_bytes()
+    rss = stream.RssSampler(0.05).start()
     t0 = time.perf_counter()
     if a.child == "loader":
         model = load_swapped_model(a.path, SwapSettings(0, 1, "auto"), home="ram")
@@ -109,7 +88,7 @@ def child(a) -> dict:
         out["rows"].append(row)
     out["rss_peak_gb"] = rss.stop() / 1e9
     out["model_gb"] = os.path.getsize(a.path) / 1e9
-    out["rss_base_gb"] = rss.base / 1e9
+    out["rss_base_gb"] = rss_base / 1e9
     out["rss_over_model"] = (out["rss_peak_gb"] - out["rss_base_gb"]) / out["model_gb"]
     return out
 
