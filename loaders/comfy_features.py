@@ -102,8 +102,8 @@ def built_for_dynamic_vram(patcher) -> bool:
     keep the file's tensors uncast; ComfyUI gives CPU-only models a static patcher)?"""
     if is_dynamic(patcher):
         return True
-    return any(getattr(m, "comfy_need_lazy_init_bias", None) is not None
-               for m in patcher.model.diffusion_model.modules())
+    dm = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+    return dm is not None and any(getattr(m, "comfy_need_lazy_init_bias", None) is not None for m in dm.modules())
 
 
 @contextlib.contextmanager
@@ -135,6 +135,7 @@ def source_file(patcher) -> tuple[str, dict] | None:
 
 
 CLONE_TAKES_MODEL = has_arg(comfy.model_patcher.ModelPatcher.clone, "model_override")
+CLONE_DISABLES_DYNAMIC = has_arg(comfy.model_patcher.ModelPatcher.clone, "disable_dynamic")
 
 
 def clone_onto(patcher, model) -> comfy.model_patcher.ModelPatcher:
@@ -143,7 +144,7 @@ def clone_onto(patcher, model) -> comfy.model_patcher.ModelPatcher:
     if not CLONE_TAKES_MODEL:
         raise RuntimeError("RingSwap: this ComfyUI's ModelPatcher.clone cannot take another model")
     override = (model, ({}, {}, {}, set()))
-    kwargs = {"disable_dynamic": True} if has_arg(comfy.model_patcher.ModelPatcher.clone, "disable_dynamic") else {}
+    kwargs = {"disable_dynamic": True} if CLONE_DISABLES_DYNAMIC else {}
     return comfy.model_patcher.ModelPatcher.clone(patcher, model_override=override, **kwargs)
 
 

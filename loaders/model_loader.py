@@ -64,7 +64,7 @@ def own_model_for(model: comfy.model_patcher.ModelPatcher,
             "from a .safetensors file that RingSwap could read itself; use the RingSwap Model Loader node for "
             "this model, or start ComfyUI with --disable-dynamic-vram")
     path, options = source
-    return cached_swapped_base(path, "ram", 4, options, progress)
+    return cached_swapped_base(path, home="ram", model_options=options, progress=progress)
 
 
 def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,

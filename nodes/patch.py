@@ -44,7 +44,5 @@ class RingSwapPatch:
 
     def patch(self, model, window: int, prefetch: int, pin_memory: str):
         settings = SwapSettings(window, prefetch, pin_memory)
-        if getattr(model, "model", None) is None:
-            return (SwapModelPatcher.wrap(model, settings),)   # refused there with a clear error
         # A MODEL built for dynamic VRAM is cloned onto RingSwap's own load of its file.
         return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar())),)

@@ -19,7 +19,7 @@ from ringswap.loaders.model_loader import load_swapped_model
 from ringswap.loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ringswap.nodes.patch import RingSwapPatch
 from support.lora_files import build_lora
-from wan_model import forward, inputs, tiny_wan
+from wan_model import forward, inputs, load_static, tiny_wan
 
 pytestmark = pytest.mark.skipif(not DYNAMIC_VRAM, reason="needs RINGSWAP_DYNAMIC_VRAM=1 (ComfyUI 0.33+)")
 
@@ -100,8 +100,7 @@ def test_model_loader_under_dynamic_vram_equals_static_stock(tmp_path, dtype):
     """The loader's model is built statically although ComfyUI's ops are lazy: it equals
     ComfyUI's own static load of the file (cast to the model's dtypes while loading)."""
     path = tiny_wan(str(tmp_path), blocks=4, dtype=dtype)
-    with features.static_construction():
-        ref = outputs(comfy.sd.load_diffusion_model(path))
+    ref = outputs(load_static(path))
     comfy.model_management.unload_all_models()
     for home in ("ram", "disk"):
         model = load_swapped_model(path, SwapSettings(2, 1), home=home, disk_workers=2)
@@ -117,8 +116,7 @@ def test_patch_keeps_the_stock_loaders_options(wan):
     options = {"dtype": torch.float8_e4m3fn}
     stock = comfy.sd.load_diffusion_model(wan, model_options=options)
     assert features.source_file(stock) == (wan, options)
-    with features.static_construction():
-        ref = outputs(comfy.sd.load_diffusion_model(wan, model_options=options, disable_dynamic=True))
+    ref = outputs(load_static(wan, options))
     comfy.model_management.unload_all_models()
     (patched,) = RingSwapPatch().patch(stock, 2, 1, "auto")
     assert patched.model.diffusion_model.blocks[0].self_attn.q.weight.dtype == torch.float8_e4m3fn

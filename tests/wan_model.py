@@ -25,10 +25,16 @@ def load_stock(path):
     ComfyUI's main.py never does, its lazy ops would keep the file's dtype uncast under a
     static patcher; the CPU user's model is built without them (what main.py gives a CPU)."""
     if os.environ.get("RINGSWAP_DYNAMIC_VRAM") == "1" and not torch.cuda.is_available():
-        from ringswap.loaders.comfy_features import static_construction
-        with static_construction():
-            return comfy.sd.load_diffusion_model(path)
+        return load_static(path)
     return comfy.sd.load_diffusion_model(path)
+
+
+def load_static(path, model_options=None):
+    """ComfyUI's static load of `path`: what --disable-dynamic-vram (or a CPU) gives."""
+    from ringswap.loaders import comfy_features as features
+    kwargs = {"disable_dynamic": True} if features.has_arg(comfy.sd.load_diffusion_model, "disable_dynamic") else {}
+    with features.static_construction():
+        return comfy.sd.load_diffusion_model(path, model_options=model_options or {}, **kwargs)
 
 
 def static_twin(patcher):
@@ -39,9 +45,7 @@ def static_twin(patcher):
     from ringswap.loaders import comfy_features as features
     if not features.is_dynamic(patcher):
         return patcher
-    path, options = features.source_file(patcher)
-    with features.static_construction():
-        return comfy.sd.load_diffusion_model(path, model_options=options, disable_dynamic=True)
+    return load_static(*features.source_file(patcher))
 
 
 def patched_weights(stock, lora_sd, strength, keys=lambda k: True):
