@@ -3,7 +3,7 @@
 Two Wan-14B-shaped experts (random bf16 weights) made block-swapping with the RingSwap
 Patch node; each run samples the high-noise expert for the first half of the steps and
 the low-noise one for the rest with the stock KSamplerAdvanced. Over `--runs` runs it
-records the expert switch time (from the `RingSwap load:` lines), process RSS, pinned
+records the expert switch time (from the `RingSwap plan:` lines), process RSS, pinned
 bytes and VRAM after every run. Usage (repo root, on the GPU machine):
     python bench/life.py --runs 20
     python bench/life.py --small --runs 4        # CPU smoke test
@@ -108,7 +108,7 @@ def main() -> None:
         print(f"run {run:2d}: {wall:.2f}s rss {rows[-1]['rss'] / 1e9:.2f} GB pinned {pinned / 1e9:.2f} GB "
               f"vram {vram / 1e9:.2f} GB (reserved {reserved / 1e9:.2f})", flush=True)
     switch = [float(m.group(1)) for line in handler.lines
-              if "switched from another" in line and (m := re.search(r"; ([0-9.]+) s \(switched", line))]
+              if "switched from another" in line and (m := re.search(r"placed in ([0-9.]+) s \(switched", line))]
     base = rows[1]
     growth = {k: (max(r[k] for r in rows[2:]) - base[k]) / max(base[k], 1) for k in ("rss", "pinned", "vram")}
     print(f"\nexpert switches: {len(switch)}, median {sorted(switch)[len(switch) // 2]:.3f} s, "

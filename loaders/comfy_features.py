@@ -177,3 +177,38 @@ class ComfyPinBudget:
         nbytes = self.mm.PINNED_MEMORY.pop(ptr, None)
         if nbytes is not None:
             self.mm.TOTAL_PINNED_MEMORY -= nbytes
+
+
+# ----- sampling runs: the memory picture and wrappers ---------------------------------
+def free_vram(device: torch.device) -> int:
+    """Device memory free now, as ComfyUI counts it (its own and torch's caches included)."""
+    return int(comfy.model_management.get_free_memory(device))
+
+
+def reserved_vram() -> int:
+    """What ComfyUI keeps free beside a model's weights: its inference minimum, which holds
+    --reserve-vram (`minimum_inference_memory`, else `extra_reserved_memory`)."""
+    mm = comfy.model_management
+    for name in ("minimum_inference_memory", "extra_reserved_memory"):
+        fn = getattr(mm, name, None)
+        if fn is not None:
+            return int(fn())
+    return 0
+
+
+def activation_estimate(patcher, noise_shape, conds) -> int:
+    """ComfyUI's estimate of one model call's activations at batch `noise_shape[0]`
+    (`sampler_helpers.estimate_memory`'s minimum, which its partial load reserves)."""
+    import comfy.sampler_helpers
+    estimate = getattr(comfy.sampler_helpers, "estimate_memory", None)
+    if estimate is not None:
+        return int(estimate(patcher, noise_shape, conds)[1])
+    return int(patcher.model.memory_required(list(noise_shape)))
+
+
+def can_wrap(patcher) -> bool:
+    """Does this ComfyUI run ModelPatcher wrappers around prepare_sampling and apply_model?"""
+    import comfy.patcher_extension
+    kinds = getattr(comfy.patcher_extension, "WrappersMP", None)
+    return (hasattr(patcher, "add_wrapper_with_key") and kinds is not None
+            and all(hasattr(kinds, k) for k in ("PREPARE_SAMPLING", "APPLY_MODEL")))

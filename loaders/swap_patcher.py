@@ -24,6 +24,7 @@ import comfy.model_patcher
 from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ..swap.host_pool import set_pin_budget
 from . import comfy_features as features
+from . import run_plan
 
 log = logging.getLogger("ringswap.patcher")
 
@@ -39,12 +40,15 @@ class SwapSettings:
     window: int          # blocks kept on the device; 0 = from ComfyUI's memory budget
     prefetch: int = 1
     pin_memory: str = "auto"
+    vram_budget_gb: float = 0.0   # VRAM this model may use in all (weights + activations); 0 = what is free
 
     def __post_init__(self):
         if self.window < 0:
             raise ValueError(f"RingSwap: window must be 0 (automatic) or a number of blocks, got {self.window}")
         if self.prefetch < 0:
             raise ValueError(f"RingSwap: prefetch must be 0 or more, got {self.prefetch}")
+        if not self.vram_budget_gb >= 0:
+            raise ValueError(f"RingSwap: vram_budget_gb must be 0 (what is free) or more, got {self.vram_budget_gb}")
         if self.pin_memory not in PIN_MODES:
             raise ValueError(f"RingSwap: pin_memory must be one of {PIN_MODES}, got {self.pin_memory!r}")
 
@@ -75,6 +79,7 @@ class SwapState:
         self.block_index = {k: i for i, k in enumerate(self.block_keys)}
         self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
         self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
+        self.measured: dict = {}   # latent shape -> run_plan.Measured (activation peak, compute time)
         self.nonblock_bytes = sum(
             t.numel() * t.element_size()
             for n, t in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers())
@@ -126,6 +131,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         state = SwapState.of(n)
         n.size = 0
         n.ringswap = settings
+        run_plan.install(n)
         # Our own weight state: ComfyUI then fully unloads whatever another patcher of
         # the same model left on the GPU before loading this one (partially_load).
         n.patches_uuid = uuid.uuid4()
@@ -153,16 +159,6 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         return [x for x in super()._load_list(*args, **kwargs)
                 if not any(isinstance(v, str) and (v + ".").startswith(prefixes) for v in x)]
 
-    def _window(self, lowvram_model_memory: float, full_load: bool) -> int:
-        engine, s = self.swap_engine, self.ringswap
-        if s.window > 0:
-            return min(s.window, engine.num_blocks)
-        if full_load or not lowvram_model_memory or self.load_device.type == "cpu":
-            return engine.num_blocks
-        budget = lowvram_model_memory - self.swap_state.nonblock_bytes
-        fit = int(budget // engine.block_bytes()) - s.prefetch
-        return max(1, min(engine.num_blocks, fit))
-
     def _unload_other_rings(self) -> int:
         """Unload every other block-swapped model (e.g. the other Wan 2.2 expert), so at
         most one model's ring is on the GPU. Returns how many were unloaded."""
@@ -179,9 +175,10 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         switched = self._unload_other_rings()
         device = torch.device(device_to) if device_to is not None else self.load_device
         engine = self.swap_engine
-        window = self._window(lowvram_model_memory, full_load)
-        plan = engine.attach(device, window, self.ringswap.prefetch, self.ringswap.pin_memory,
-                             owner=weakref.ref(self), on_land=self._block_folder(device))
+        plan = run_plan.plan_for_load(self, device, full_load)
+        self.__dict__["_ringswap_plan"] = plan
+        engine.attach(device, plan.window, plan.prefetch, self.ringswap.pin_memory,
+                      owner=weakref.ref(self), on_land=self._block_folder(device))
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:
@@ -191,11 +188,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self.model.model_loaded_weight_memory = self.model_size()
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
-        log.info("RingSwap load: %d blocks on %s, window %d, prefetch %d: %s, %s memory; "
-                 "%.2f GB of blocks on the device, %.2f GB at home; %.2f s%s",
-                 engine.num_blocks, device, window, self.ringswap.prefetch, plan.describe(),
-                 engine.memory, engine.device_bytes() / 1e9, engine.pool.nbytes / 1e9,
-                 time.perf_counter() - t0, " (switched from another block-swapped model)" if switched else "")
+        log.info("%s; %s memory, %.2f GB at home; placed in %.2f s%s", plan.line(), engine.memory,
+                 engine.pool.nbytes / 1e9, time.perf_counter() - t0,
+                 " (switched from another block-swapped model)" if switched else "")
 
     def _block_folder(self, device: torch.device):
         """The LoRA fold to run on each block as it lands (None without block patches).
@@ -268,12 +263,13 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     # ----- sampling runs ---------------------------------------------------------------
     def cleanup(self, *args, **kwargs):
         stats = self.swap_engine.end_run()
+        run_plan.record_run(self, stats)
         if stats is not None and stats.streamed:
-            _publish(stats)
+            _publish(stats, self.__dict__.get("_ringswap_plan"))
         return super().cleanup(*args, **kwargs)
 
 
-def _publish(stats) -> None:
+def _publish(stats, plan) -> None:
     """Send the run's summary to the browser (web/ringswap.js), when a server is running."""
     server = sys.modules.get("server")
     instance = getattr(getattr(server, "PromptServer", None), "instance", None)
@@ -283,4 +279,6 @@ def _publish(stats) -> None:
         "line": stats.line(), "blocks": stats.blocks, "streamed": stats.streamed, "window": stats.window,
         "prefetch": stats.prefetch, "memory": stats.memory, "bytes_copied": stats.bytes_copied,
         "gbps": stats.gbps, "copy_ms": stats.copy_s * 1e3, "hidden_ms": stats.hidden_s * 1e3,
-        "wait_ms": stats.wait_s * 1e3, "fold_ms_per_block": 1e3 * stats.fold_s_per_block})
+        "wait_ms": stats.wait_s * 1e3, "fold_ms_per_block": 1e3 * stats.fold_s_per_block,
+        "calls": stats.calls, "compute_s": stats.compute_s, "shrinks": stats.shrinks,
+        "plan": plan.as_dict() if plan is not None else None})

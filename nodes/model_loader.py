@@ -6,7 +6,7 @@ import folder_paths
 from ..loaders.model_loader import cached_swapped_base
 from ..loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ..swap import PIN_MODES
-from .patch import PIN_TIP, PREFETCH_TIP, WINDOW_TIP, progress_bar
+from .patch import BUDGET_TIP, PIN_TIP, PREFETCH_TIP, WINDOW_TIP, progress_bar
 
 HOME_TIP = ("Where blocks that are not on the GPU live. ram: read once into (pinned) host RAM at load, "
             "then streamed to the GPU; needs RAM for the whole model. disk: read from the file ahead "
@@ -33,10 +33,13 @@ class RingSwapModelLoader:
             "home": (["ram", "disk"], {"default": "ram", "tooltip": HOME_TIP}),
             "pin_memory": (list(PIN_MODES), {"default": "auto", "tooltip": PIN_TIP}),
             "disk_workers": ("INT", {"default": 4, "min": 1, "max": 16, "tooltip": WORKERS_TIP}),
+            "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
+                                         "tooltip": BUDGET_TIP}),
         }}
 
-    def load(self, unet_name: str, window: int, prefetch: int, home: str, pin_memory: str, disk_workers: int):
+    def load(self, unet_name: str, window: int, prefetch: int, home: str, pin_memory: str, disk_workers: int,
+             vram_budget_gb: float = 0.0):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        settings = SwapSettings(window, prefetch, pin_memory)
+        settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb)
         base = cached_swapped_base(path, home, disk_workers, progress=progress_bar())
         return (SwapModelPatcher.wrap(base, settings),)

@@ -10,11 +10,14 @@ from ..loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ..swap import PIN_MODES
 
 WINDOW_TIP = ("Transformer blocks kept on the GPU. window-1 blocks stay resident for the whole run; the "
-              "others stream through a small ring of GPU slots. 0 = automatic: as many as fit in the VRAM "
-              "ComfyUI grants the model (all blocks on CPU). Values above the model's block count are "
-              "clamped (all blocks resident).")
+              "others stream through a small ring of GPU slots. 0 = automatic: as many as fit beside this "
+              "run's activations in the free VRAM (or vram_budget_gb), planned again every run; the log's "
+              "'RingSwap plan:' line says why. Values above the model's block count are clamped.")
 PREFETCH_TIP = ("Blocks copied ahead of the one computing (extra GPU slots). 1 hides copies under "
                 "compute on most cards; 0 uses the least VRAM.")
+BUDGET_TIP = ("VRAM in GB this model may use in all (its weights on the GPU and the activations of a step), "
+              "for keeping the rest of the card for other programs. 0 = whatever is free (after ComfyUI's "
+              "--reserve-vram). With window 0 the window is sized to fit; a set window is kept.")
 PIN_TIP = ("Page-lock the host copies of streamed blocks for fast async copies. auto: pin, and fall back "
            "to pageable memory + a pinned staging ring if pinning fails; on: pin or fail; off: never pin "
            "(slow copies, for systems where pinning misbehaves).")
@@ -40,9 +43,11 @@ class RingSwapPatch:
             "window": ("INT", {"default": 0, "min": 0, "max": 1000, "tooltip": WINDOW_TIP}),
             "prefetch": ("INT", {"default": 1, "min": 0, "max": 8, "tooltip": PREFETCH_TIP}),
             "pin_memory": (list(PIN_MODES), {"default": "auto", "tooltip": PIN_TIP}),
+            "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
+                                         "tooltip": BUDGET_TIP}),
         }}
 
-    def patch(self, model, window: int, prefetch: int, pin_memory: str):
-        settings = SwapSettings(window, prefetch, pin_memory)
+    def patch(self, model, window: int, prefetch: int, pin_memory: str, vram_budget_gb: float = 0.0):
+        settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb)
         # A MODEL built for dynamic VRAM is cloned onto RingSwap's own load of its file.
         return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar())),)

@@ -104,6 +104,8 @@ class BlockSwapEngine:
             self.states.append(BlockState(i, block, layout))
         self.pool = HostPool()
         self.att: _Attachment | None = None
+        self.link_bytes_per_s = 0.0   # last measured host-to-device copy rate
+        self.faults = None            # test hook: .check(call, block) may raise (see recovery.FaultInjector)
         if read_block is not None:   # weights come from the reader: drop what the modules hold
             for st in self.states:
                 st.unbind(torch.device("cpu"))
@@ -232,7 +234,10 @@ class BlockSwapEngine:
             self.att = att
             for i in plan.streamed[:plan.ring_slots]:
                 self._issue(i, att.ring.victim([]))
-            att.copier.take_times()  # resident placement is loading, not a run's copies
+            placed_s = att.copier.take_times()[0]   # resident placement is loading, not a run's copies
+            placed = sum(self.states[i].layout.nbytes for i in plan.resident)
+            if placed and placed_s > 0 and self.home == "ram" and memory == "pinned":
+                self.link_bytes_per_s = placed / placed_s
             if on_land is not None:
                 for i in plan.resident:
                     on_land(i, self.states[i].binding.current())
@@ -360,6 +365,8 @@ class BlockSwapEngine:
 
     def _before_block(self, block: int) -> None:
         att = self.att
+        if self.faults is not None:
+            self.faults.check(att.stats.calls, block)
         slot = att.ring.slot_of(block)
         if slot is None:   # not predicted (first call after a plan change, odd call order)
             slot = att.ring.victim(att.upcoming(block)[:-1])
@@ -393,22 +400,54 @@ class BlockSwapEngine:
             self._pump()
 
     # ----- runs ------------------------------------------------------------------------
-    def end_run(self) -> RunStats | None:
-        """Close a sampling run (also after an interrupt): unbind any block left bound by
-        an exception, read the copy/wait times, log one line and reset the counters."""
+    def begin_call(self) -> None:
+        """A model call (one forward of all blocks) starts: counted, and timed on the device."""
+        if self.att is not None:
+            self.att.stats.calls += 1
+            self.att.copier.mark_call(start=True)
+
+    def end_call(self) -> None:
+        if self.att is not None:
+            self.att.copier.mark_call(start=False)
+
+    def _close_stats(self) -> RunStats:
+        """Unbind any block left bound by an exception and fold the device timings into the
+        run's stats (synchronises once)."""
         att = self.att
-        if att is None:
-            return None
         for s in self.states:
             if s.slot is not None:
                 s.unbind()
                 s.slot = None
         stats = att.stats
-        stats.copy_s, stats.wait_s, stats.land_times = att.copier.take_times()
+        stats.add_times(*att.copier.take_times())
+        if stats.gbps > 0 and self.home == "ram" and att.memory == "pinned":
+            self.link_bytes_per_s = stats.gbps * 1e9
+        return stats
+
+    def end_run(self) -> RunStats | None:
+        """Close a sampling run (also after an interrupt): log one line and reset the counters."""
+        att = self.att
+        if att is None:
+            return None
+        stats = self._close_stats()
         att.stats = att.new_stats()
         if stats.streamed:
             log.info(stats.line())
         return stats
+
+    def reattach(self, window: int, prefetch: int) -> ResidencyPlan:
+        """Mid-run re-plan (e.g. a smaller window after running out of memory): free the ring
+        and resident blocks, attach again with the same device, pinning, owner and on-land
+        work, and carry the run's counters over."""
+        att = self.att
+        if att is None:
+            raise RuntimeError("reattach needs an attached engine")
+        stats = self._close_stats()
+        device, pin_memory, owner, on_land = att.device, att.pin_memory, att.owner, att.on_land
+        self.detach()
+        plan = self.attach(device, window, prefetch, pin_memory, owner, on_land)
+        self.att.stats = stats.continued(self.att.stats)
+        return plan
 
     # ----- introspection ---------------------------------------------------------------
     def blocks_on_device(self) -> list[int]:

@@ -21,6 +21,32 @@ class RunStats:
     bytes_read: int = 0    # home=disk: bytes read from the file
     read_wait_s: float = 0.0   # home=disk: time the block loop waited for reads
     land_times: list = field(default_factory=list)   # device seconds of each on-land (LoRA fold) on streamed blocks
+    calls: int = 0         # model calls (forwards of all blocks)
+    call_times: list = field(default_factory=list)   # device seconds of each model call
+    shrinks: list = field(default_factory=list)      # (from window, to window) after running out of memory
+    activation_peak: int = 0   # bytes the first model call allocated beyond the weights (CUDA)
+
+    def add_times(self, copy_s: float, wait_s: float, land_times: list, call_times: list) -> None:
+        self.copy_s += copy_s
+        self.wait_s += wait_s
+        self.land_times += land_times
+        self.call_times += call_times
+
+    def continued(self, fresh: "RunStats") -> "RunStats":
+        """`fresh` (stats of a new plan mid-run) with this run's counters carried over."""
+        for name in ("copies", "bytes_copied", "copy_s", "wait_s", "forwards", "bytes_read", "read_wait_s",
+                     "calls", "activation_peak"):
+            setattr(fresh, name, getattr(self, name))
+        fresh.land_times, fresh.call_times = self.land_times, self.call_times
+        fresh.shrinks = self.shrinks + [(self.window, fresh.window)]
+        return fresh
+
+    @property
+    def compute_s(self) -> float:
+        """Mean device time of a model call, less the time it stood waiting for copies."""
+        if not self.call_times:
+            return 0.0
+        return max(0.0, (sum(self.call_times) - self.wait_s) / len(self.call_times))
 
     @property
     def land_s(self) -> float:
@@ -48,5 +74,7 @@ class RunStats:
                 f"({hidden:.0f}%), compute waited {self.wait_s * 1e3:.0f} ms"
                 + (f"; LoRA fold {1e3 * self.fold_s_per_block:.2f} ms per block"
                    if self.fold_s_per_block else "")
+                + (f"; {self.calls} model calls, {self.compute_s:.2f} s compute each" if self.call_times else "")
+                + "".join(f"; out of memory: window {a} -> {b}" for a, b in self.shrinks)
                 + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
                    "for reads" if self.memory == "disk" else ""))

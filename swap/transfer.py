@@ -21,6 +21,8 @@ class CopyStream:
         self._copies: list[tuple] = []   # (start, end) events, or seconds on CPU
         self._waits: list[tuple] = []
         self._lands: list[tuple] = []
+        self._calls: list[tuple] = []    # (start, end) of each model call on the compute stream
+        self._call_start = None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None"):
         """Copy src into dst once `after` has happened; returns the event of completion."""
@@ -72,15 +74,28 @@ class CopyStream:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def mark_call(self, start: bool) -> None:
+        """Mark the start or end of a model call on the compute stream (its device time)."""
+        if not self.cuda:
+            mark = time.perf_counter()
+        else:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record(torch.cuda.current_stream(self.device))
+        if start:
+            self._call_start = mark
+        elif self._call_start is not None:
+            self._calls.append((mark - self._call_start,) if not self.cuda else (self._call_start, mark))
+            self._call_start = None
+
     def synchronize(self) -> None:
         if self.cuda:
             self.stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
-    def take_times(self) -> tuple[float, float, list[float]]:
-        """Seconds spent copying, seconds compute waited for copies, and the seconds of
-        each on-land work (LoRA folds) since the last call. Synchronises the device (once
-        per run, outside the block loop)."""
+    def take_times(self) -> tuple[float, float, list[float], list[float]]:
+        """Seconds spent copying, seconds compute waited for copies, the seconds of each
+        on-land work (LoRA folds) and of each model call since the last call. Synchronises
+        the device (once per run, outside the block loop)."""
         self.synchronize()
 
         def each(pairs):
@@ -91,8 +106,8 @@ class CopyStream:
 
         copy_s = total(self._copies)
         wait_s = total(self._waits) if self.cuda else copy_s
-        lands = each(self._lands)
-        self._copies.clear()
-        self._waits.clear()
-        self._lands.clear()
-        return copy_s, wait_s, lands
+        lands, calls = each(self._lands), each(self._calls)
+        for pairs in (self._copies, self._waits, self._lands, self._calls):
+            pairs.clear()
+        self._call_start = None
+        return copy_s, wait_s, lands, calls

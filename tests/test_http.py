@@ -67,10 +67,10 @@ def test_interrupt_mid_sampling_then_next_run_matches(server):
                               filename_prefix=prefix)
 
     ref = latent_of(server, server.run(workflow(4, 9, "before"), timeout=300))
-    loads_before = server.log_text().count("RingSwap load:")
+    loads_before = server.log_text().count("RingSwap plan:")
     pid = server.queue(workflow(2000, 10, "interrupted"))
     deadline = time.monotonic() + 120
-    while server.log_text().count("RingSwap load:") == loads_before:   # sampling has begun
+    while server.log_text().count("RingSwap plan:") == loads_before:   # sampling has begun
         assert time.monotonic() < deadline
         time.sleep(0.05)
     time.sleep(0.3)

@@ -153,7 +153,7 @@ def test_run_summary_line(reference, caplog):
     assert f"{BLOCKS} blocks (1 resident, {streamed} streamed, ring 2)" in line
     assert "window 2, prefetch 1" in line
     assert "GB/s" in line and "hidden under compute" in line and "compute waited" in line
-    loads = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap load:")]
+    loads = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap plan:")]
     assert len(loads) == 1
 
 

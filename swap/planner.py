@@ -1,0 +1,181 @@
+"""Window planner: how many blocks fit on the device for one sampling run, and what it costs.
+
+Pure arithmetic: the caller measures (free VRAM, reserve, activation peak, link rate) and
+this decides, so the choice is table-testable and the same function answers the web
+extension's plan request. Recomputed for every run: latent size changes the activations.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from .plan import ResidencyPlan
+
+GB = 1e9
+
+
+class NotEnoughVRAM(RuntimeError):
+    """Not even one block (plus the non-block weights and activations) fits on the device."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    block_sizes: tuple[int, ...]     # bytes of each block, in engine order
+    nonblock_bytes: int              # weights that always stay on the device
+    free_bytes: int                  # device memory this model can have now (free + what it holds)
+    reserve_bytes: int = 0           # kept free for others (ComfyUI's inference minimum, --reserve-vram)
+    activation_bytes: int = 0        # activation peak of one model call at this latent size
+    activation_source: str = "estimate"
+    budget_bytes: int = 0            # the user's VRAM budget for this model (0 = no cap)
+    window: int = 0                  # 0 = automatic
+    prefetch: int = 1
+    device: str = "cuda:0"
+    tokens: int = 0                  # tokens of one model call (for the plan line; 0 = unknown)
+    link_bytes_per_s: float = 0.0    # measured host-to-device copy rate (0 = not measured yet)
+    compute_s: float = 0.0           # measured device time of one model call (0 = not measured yet)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_sizes)
+
+    @property
+    def room_bytes(self) -> int:
+        """Bytes the blocks may use: free minus reserve, activations and non-block weights,
+        and within the budget (which holds the non-block weights and activations too)."""
+        room = self.free_bytes - self.reserve_bytes - self.activation_bytes - self.nonblock_bytes
+        if self.budget_bytes > 0:
+            room = min(room, self.budget_bytes - self.activation_bytes - self.nonblock_bytes)
+        return int(room)
+
+
+def device_bytes(block_sizes: tuple[int, ...], plan: ResidencyPlan) -> int:
+    """Block bytes on the device under `plan`: resident blocks plus ring slots of the largest streamed block."""
+    ring = max((block_sizes[i] for i in plan.streamed), default=0)
+    return sum(block_sizes[i] for i in plan.resident) + ring * plan.ring_slots
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    inputs: PlanInputs
+    residency: ResidencyPlan
+    automatic: bool
+
+    @property
+    def window(self) -> int:
+        return self.residency.window
+
+    @property
+    def prefetch(self) -> int:
+        return self.residency.prefetch
+
+    @property
+    def block_bytes_on_device(self) -> int:
+        return device_bytes(self.inputs.block_sizes, self.residency)
+
+    @property
+    def over_bytes(self) -> int:
+        """How far a manual window goes past the room for blocks (0 when it fits)."""
+        return max(0, self.block_bytes_on_device - self.inputs.room_bytes)
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes copied to the device per model call (every streamed block once)."""
+        return sum(self.inputs.block_sizes[i] for i in self.residency.streamed)
+
+    @property
+    def copy_s(self) -> float:
+        rate = self.inputs.link_bytes_per_s
+        return self.streamed_bytes / rate if rate > 0 else 0.0
+
+    @property
+    def bound(self) -> str:
+        """"resident", "hidden", "copy-bound" or "unknown" (compute or link rate not measured)."""
+        if not self.residency.streamed:
+            return "resident"
+        if self.copy_s <= 0 or self.inputs.compute_s <= 0:
+            return "unknown"
+        return "hidden" if self.copy_s <= self.inputs.compute_s else "copy-bound"
+
+    def line(self) -> str:
+        i, r = self.inputs, self.residency
+        how = "auto" if self.automatic else "set"
+        head = (f"RingSwap plan: window {r.window} of {r.num_blocks} ({how}; "
+                + (f"{len(r.resident)} resident + ring {r.ring_slots}" if r.streamed else "all resident")
+                + f"), {self.block_bytes_on_device / GB:.1f} GB of blocks + {i.nonblock_bytes / GB:.1f} GB "
+                f"non-block on {i.device} of {i.free_bytes / GB:.1f} GB free"
+                + (f" (budget {i.budget_bytes / GB:.1f} GB)" if i.budget_bytes else "")
+                + f", reserve {i.reserve_bytes / GB:.1f} GB; activations ~{i.activation_bytes / GB:.1f} GB"
+                + (f" at {i.tokens:,} tokens" if i.tokens else "") + f" ({i.activation_source})")
+        if self.over_bytes:
+            head += f"; the window is {self.over_bytes / GB:.1f} GB over the room for blocks"
+        if not r.streamed:
+            return head + "; nothing streams"
+        copy = f"est. copy {self.copy_s:.2f} s" if self.copy_s else "copy rate not measured yet"
+        compute = (f"compute ~{i.compute_s:.2f} s" if i.compute_s else "compute not measured yet")
+        verdict = "" if self.bound == "unknown" else f": {self.bound}"
+        return f"{head}; streams {self.streamed_bytes / GB:.1f} GB per model call, {copy} vs {compute}{verdict}"
+
+    def as_dict(self) -> dict:
+        """The plan for the browser and GET /ringswap/plan (JSON-ready)."""
+        i, r = self.inputs, self.residency
+        d = {k: v for k, v in asdict(i).items() if k != "block_sizes"}
+        d.update(num_blocks=r.num_blocks, window=r.window, prefetch=r.prefetch, automatic=self.automatic,
+                 resident=len(r.resident), streamed=len(r.streamed), ring_slots=r.ring_slots,
+                 block_bytes_on_device=self.block_bytes_on_device, room_bytes=i.room_bytes,
+                 over_bytes=self.over_bytes, streamed_bytes=self.streamed_bytes, copy_s=self.copy_s,
+                 bound=self.bound, line=self.line())
+        return d
+
+
+def _fits(i: PlanInputs, window: int, prefetch: int) -> ResidencyPlan | None:
+    plan = ResidencyPlan.make(i.num_blocks, window, prefetch)
+    return plan if device_bytes(i.block_sizes, plan) <= i.room_bytes else None
+
+
+def plan_window(i: PlanInputs) -> WindowPlan:
+    """The largest window (and, if need be, a smaller prefetch) whose blocks fit in the room
+    left; a manual window is kept as asked (the plan says how far over the room it goes).
+    Raises NotEnoughVRAM when not even one block fits."""
+    if i.num_blocks < 1:
+        raise ValueError("the model has no transformer blocks")
+    if i.window > 0:
+        return WindowPlan(i, ResidencyPlan.make(i.num_blocks, min(i.window, i.num_blocks), i.prefetch), False)
+    for window in range(i.num_blocks, 0, -1):
+        plan = _fits(i, window, i.prefetch)
+        if plan is not None:
+            return WindowPlan(i, plan, True)
+    for prefetch in range(i.prefetch - 1, -1, -1):
+        plan = _fits(i, 1, prefetch)
+        if plan is not None:
+            return WindowPlan(i, plan, True)
+    need = max(i.block_sizes)
+    raise NotEnoughVRAM(
+        f"RingSwap: not even one block fits on {i.device}: {i.free_bytes / GB:.2f} GB free"
+        + (f", budget {i.budget_bytes / GB:.2f} GB" if i.budget_bytes else "")
+        + f", minus reserve {i.reserve_bytes / GB:.2f} GB, activations ~{i.activation_bytes / GB:.2f} GB "
+        f"({i.activation_source}) and {i.nonblock_bytes / GB:.2f} GB of non-block weights leaves "
+        f"{i.room_bytes / GB:.2f} GB, and one block needs {need / GB:.2f} GB; free VRAM (close other "
+        "programs, lower --reserve-vram), raise vram_budget_gb, or use a smaller latent or a quantized model")
+
+
+def shrink_after_oom(plan: WindowPlan) -> WindowPlan | None:
+    """The plan to retry a model call with after running out of memory: re-planned with the
+    activation reserve doubled (at least +1 GiB), and always smaller than `plan`; None when
+    the plan is already the smallest (window 1, prefetch 0)."""
+    r = plan.residency
+    if r.window <= 1 and (r.prefetch == 0 or not r.streamed):
+        return None
+    extra = max(plan.inputs.activation_bytes, 2**30)
+    inputs = replace(plan.inputs, window=0, activation_bytes=plan.inputs.activation_bytes + extra,
+                     activation_source="doubled after running out of memory")
+    try:
+        smaller = plan_window(inputs)
+    except NotEnoughVRAM:
+        smaller = None
+    if smaller is None or smaller.window >= r.window:
+        if r.window > 1:
+            window, prefetch = max(1, min(r.window - 1, math.ceil(r.window * 0.75))), r.prefetch
+        else:
+            window, prefetch = 1, 0
+        smaller = WindowPlan(inputs, ResidencyPlan.make(r.num_blocks, window, prefetch), True)
+    return smaller

@@ -1,0 +1,115 @@
+"""One model call with out-of-memory recovery: free the ring, shrink the window, retry once.
+
+The retry runs the same inputs through the same weights, so its output equals a run at
+the smaller window from the start. The first call of a run also measures the activation
+peak on CUDA (it resets CUDA's peak-memory statistics). `FaultInjector` is the test hook
+that makes a chosen block of a chosen call fail as an allocation would.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, TypeVar
+
+import torch
+
+from .engine import BlockSwapEngine
+
+log = logging.getLogger("ringswap.recovery")
+
+T = TypeVar("T")
+GB = 1e9
+
+
+class FaultInjector:
+    """Raise torch.OutOfMemoryError at `block` of model call `call` (counted from 1 in a run), `times` times."""
+
+    def __init__(self):
+        self._left: dict[tuple[int, int], int] = {}
+
+    def add(self, call: int, block: int, times: int = 1) -> None:
+        self._left[(call, block)] = times
+
+    def check(self, call: int, block: int) -> None:
+        left = self._left.get((call, block), 0)
+        if left:
+            self._left[(call, block)] = left - 1
+            raise torch.OutOfMemoryError(f"injected allocation failure at block {block} of model call {call}")
+
+
+def inject_oom(engine: BlockSwapEngine, call: int, block: int, times: int = 1) -> None:
+    """Test hook: make `block` of model call `call` run out of memory `times` times."""
+    if engine.faults is None:
+        engine.faults = FaultInjector()
+    engine.faults.add(call, block, times)
+
+
+def _give_up(engine: BlockSwapEngine, on_change: Callable[[int, int], None], message: str) -> None:
+    held = engine.device_bytes()
+    engine.end_run()
+    engine.detach()
+    on_change(held, 0)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    raise torch.OutOfMemoryError(message)
+
+
+def run_call(engine: BlockSwapEngine, call: Callable[[], T],
+             smaller: Callable[[], tuple[int, int] | None],
+             on_change: Callable[[int, int], None]) -> T:
+    """Run one model call on an attached engine. On running out of memory: `smaller()` gives
+    the (window, prefetch) to retry with (None: no smaller plan), the engine re-attaches with
+    it, `on_change(old_bytes, new_bytes)` reports the change of block bytes on the device,
+    and the call runs once more. A second failure (or none smaller) detaches the engine and
+    raises torch.OutOfMemoryError with what was tried."""
+    att = engine.att
+    engine.begin_call()
+    cuda = att.device.type == "cuda"
+    first = att.stats.calls == 1
+    if first and cuda:
+        torch.cuda.reset_peak_memory_stats(att.device)
+        base = torch.cuda.memory_allocated(att.device)
+    try:
+        out = call()
+        if first and cuda:
+            att.stats.activation_peak = max(0, torch.cuda.max_memory_allocated(att.device) - base)
+        engine.end_call()
+        return out
+    except torch.OutOfMemoryError as e:
+        reason = str(e).splitlines()[0] if str(e) else "out of memory"
+    # Outside the except block: the failed call's frames (and activations) are freed.
+    window, prefetch = att.plan.window, att.plan.prefetch
+    where = f"{att.device} at window {window}, prefetch {prefetch}"
+    target = smaller()
+    if target is None:
+        _give_up(engine, on_change, f"RingSwap: out of memory on {where}, already the smallest plan: {reason}. "
+                                    "Use a smaller latent (resolution, frames, batch), a quantized model, or free "
+                                    "VRAM held by other programs.")
+    held = engine.device_bytes()
+    try:
+        engine.reattach(*target)
+    except torch.OutOfMemoryError as e:
+        reason = str(e).splitlines()[0]
+        _give_up(engine, on_change, f"RingSwap: out of memory on {where}, and again re-attaching at window "
+                                    f"{target[0]}: {reason}")
+    if cuda:
+        torch.cuda.empty_cache()
+    on_change(held, engine.device_bytes())
+    log.warning("RingSwap: out of memory on %s (%s); retrying this step at window %d, prefetch %d "
+                "(%.2f GB of blocks on the device instead of %.2f GB)",
+                where, reason, target[0], target[1], engine.device_bytes() / GB, held / GB)
+    engine.begin_call()
+    engine.att.stats.calls -= 1   # the same call, retried
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(att.device)
+        base = torch.cuda.memory_allocated(att.device)
+    try:
+        out = call()
+        if cuda:
+            engine.att.stats.activation_peak = max(0, torch.cuda.max_memory_allocated(att.device) - base)
+        engine.end_call()
+        return out
+    except torch.OutOfMemoryError as e:
+        reason = str(e).splitlines()[0] if str(e) else "out of memory"
+    _give_up(engine, on_change, f"RingSwap: out of memory on {where}, and again after shrinking to window "
+                                f"{target[0]}, prefetch {target[1]}: {reason}. Use a smaller latent (resolution, "
+                                "frames, batch), a quantized model, or free VRAM held by other programs.")

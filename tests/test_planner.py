@@ -1,0 +1,121 @@
+"""The window planner (swap/planner.py), table-driven: pure arithmetic, no ComfyUI."""
+import pytest
+
+from ringswap.swap.planner import NotEnoughVRAM, PlanInputs, plan_window, shrink_after_oom
+
+GB = 10**9
+BLOCK = GB // 2            # 0.5 GB blocks, 40 of them (a 20 GB model)
+N = 40
+
+
+def inputs(**kw) -> PlanInputs:
+    base = dict(block_sizes=(BLOCK,) * N, nonblock_bytes=GB, free_bytes=24 * GB, reserve_bytes=GB,
+                activation_bytes=2 * GB, prefetch=1, tokens=32_760)
+    base.update(kw)
+    return PlanInputs(**base)
+
+
+# (case, inputs, window, prefetch, resident, ring slots)
+CASES = [
+    # room = 24 - 1 - 2 - 1 = 20 GB = exactly 40 blocks: all resident, no ring
+    ("everything fits", inputs(), N, 1, N, 0),
+    # room 16 GB = 32 blocks on the device: window + prefetch = 32
+    ("partial", inputs(free_bytes=20 * GB), 31, 1, 30, 2),
+    ("prefetch 2 takes a slot", inputs(free_bytes=20 * GB, prefetch=2), 30, 2, 29, 3),
+    # budget 12 GB holds non-block (1) + activations (2): 9 GB = 18 blocks
+    ("budget below the free VRAM", inputs(budget_bytes=12 * GB), 17, 1, 16, 2),
+    ("budget above the free VRAM changes nothing", inputs(free_bytes=20 * GB, budget_bytes=40 * GB), 31, 1, 30, 2),
+    # the reserve (ComfyUI's inference minimum + --reserve-vram) comes off the free VRAM
+    ("reserve", inputs(free_bytes=20 * GB, reserve_bytes=3 * GB), 27, 1, 26, 2),
+    # bigger activations (a longer video) leave room for fewer blocks
+    ("activations", inputs(free_bytes=20 * GB, activation_bytes=6 * GB), 23, 1, 22, 2),
+    # room for exactly one block: window 1, prefetch lowered to 0
+    ("one block only", inputs(free_bytes=4 * GB + BLOCK), 1, 0, 0, 1),
+    ("two blocks", inputs(free_bytes=5 * GB), 1, 1, 0, 2),
+    # a manual window is kept as asked
+    ("manual window", inputs(free_bytes=5 * GB, window=10), 10, 1, 9, 2),
+]
+
+
+@pytest.mark.parametrize("case,inp,window,prefetch,resident,ring", CASES, ids=[c[0] for c in CASES])
+def test_plan(case, inp, window, prefetch, resident, ring):
+    plan = plan_window(inp)
+    r = plan.residency
+    assert (plan.window, plan.prefetch, len(r.resident), r.ring_slots) == (window, prefetch, resident, ring)
+    if inp.window == 0:
+        assert plan.block_bytes_on_device <= inp.room_bytes
+        assert plan.over_bytes == 0
+    assert plan.streamed_bytes == len(r.streamed) * BLOCK
+
+
+def test_auto_window_is_the_largest_that_fits():
+    for free in range(4 * GB + BLOCK, 26 * GB, GB // 7):
+        plan = plan_window(inputs(free_bytes=free))
+        assert plan.block_bytes_on_device <= plan.inputs.room_bytes
+        if plan.window < N:
+            bigger = plan_window(inputs(free_bytes=free, window=plan.window + 1))
+            assert bigger.over_bytes > 0, free
+
+
+def test_mixed_block_sizes_count_each_block():
+    sizes = (BLOCK,) * 10 + (BLOCK // 2,) * 10     # e.g. Flux: double then single blocks
+    plan = plan_window(inputs(block_sizes=sizes, free_bytes=4 * GB + 5 * BLOCK))
+    assert plan.block_bytes_on_device <= plan.inputs.room_bytes
+    assert plan_window(inputs(block_sizes=sizes, free_bytes=4 * GB + 5 * BLOCK,
+                              window=plan.window + 1)).over_bytes > 0
+
+
+def test_not_one_block_fits_names_the_numbers():
+    with pytest.raises(NotEnoughVRAM) as e:
+        plan_window(inputs(free_bytes=4 * GB + BLOCK // 2, device="cuda:0"))
+    msg = str(e.value)
+    assert "not even one block fits on cuda:0" in msg
+    assert "4.25 GB free" in msg and "reserve 1.00 GB" in msg and "activations ~2.00 GB" in msg
+    assert "1.00 GB of non-block weights" in msg and "one block needs 0.50 GB" in msg
+
+
+def test_budget_too_small_is_refused_with_the_budget():
+    with pytest.raises(NotEnoughVRAM, match="budget 3.00 GB"):
+        plan_window(inputs(budget_bytes=3 * GB))
+
+
+def test_plan_line():
+    plan = plan_window(inputs(free_bytes=20 * GB, link_bytes_per_s=50 * GB, compute_s=2.9))
+    line = plan.line()
+    assert line.startswith("RingSwap plan: window 31 of 40 (auto; 30 resident + ring 2)")
+    assert "16.0 GB of blocks + 1.0 GB non-block on cuda:0 of 20.0 GB free" in line
+    assert "activations ~2.0 GB at 32,760 tokens (estimate)" in line
+    assert "streams 5.0 GB per model call, est. copy 0.10 s vs compute ~2.90 s: hidden" in line
+    assert plan_window(inputs(free_bytes=20 * GB, link_bytes_per_s=1 * GB, compute_s=2.9)).bound == "copy-bound"
+    assert "copy rate not measured yet" in plan_window(inputs(free_bytes=20 * GB)).line()
+    assert plan_window(inputs()).line().endswith("nothing streams")
+    assert "over the room for blocks" in plan_window(inputs(free_bytes=5 * GB, window=10)).line()
+
+
+def test_plan_as_dict_is_json_ready():
+    import json
+    d = plan_window(inputs(free_bytes=20 * GB)).as_dict()
+    assert json.loads(json.dumps(d))["window"] == 31
+    assert d["streamed_bytes"] == 10 * BLOCK and d["bound"] == "unknown" and "block_sizes" not in d
+
+
+def test_shrink_after_oom_is_always_smaller_until_the_smallest():
+    plan = plan_window(inputs(free_bytes=20 * GB))
+    seen = [plan.window]
+    while (plan := shrink_after_oom(plan)) is not None:
+        assert (plan.window, plan.prefetch) < (seen[-1], 9)
+        seen.append(plan.window)
+        if len(seen) > 50:
+            raise AssertionError(seen)
+    assert seen[-1] == 1
+    # the first shrink doubles the activation reserve: 2 GB more -> 4 fewer blocks
+    assert shrink_after_oom(plan_window(inputs(free_bytes=20 * GB))).window == 27
+
+
+def test_shrink_of_a_manual_window_and_of_all_resident():
+    # nothing fits by the numbers any more: a quarter fewer blocks
+    assert shrink_after_oom(plan_window(inputs(free_bytes=5 * GB, window=10))).window == 8
+    assert shrink_after_oom(plan_window(inputs())).window < N
+    smallest = plan_window(inputs(free_bytes=4 * GB + BLOCK))
+    assert (smallest.window, smallest.prefetch) == (1, 0)
+    assert shrink_after_oom(smallest) is None
