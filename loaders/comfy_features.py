@@ -212,3 +212,16 @@ def can_wrap(patcher) -> bool:
     kinds = getattr(comfy.patcher_extension, "WrappersMP", None)
     return (hasattr(patcher, "add_wrapper_with_key") and kinds is not None
             and all(hasattr(kinds, k) for k in ("PREPARE_SAMPLING", "APPLY_MODEL")))
+
+
+def spatial_downscale(latent_format) -> int:
+    """Pixels per latent cell along a side (`spacial_downscale_ratio` where the format has
+    it, from 0.33 on; before that 8, ComfyUI's VAE default)."""
+    return int(getattr(latent_format, "spacial_downscale_ratio", 8))
+
+
+def temporal_downscale(latent_format) -> int:
+    """Frames per latent frame of a video format (`temporal_downscale_ratio`; else 4, the
+    causal video VAEs' 1 + 4k frames)."""
+    ratio = getattr(latent_format, "temporal_downscale_ratio", None)
+    return int(ratio) if ratio and ratio > 1 else 4

@@ -44,12 +44,15 @@ def _is_block_key(key: str, prefix: str, list_names: tuple[str, ...]) -> bool:
 
 
 def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
-                   model_options: dict | None = None) -> Skeleton:
+                   model_options: dict | None = None, weights: bool = True) -> Skeleton:
+    """The model with its non-block weights loaded; `weights=False`: built on the meta
+    device from the header and the few tensors of at most SMALL_BYTES (sizes and ComfyUI's
+    memory estimate only, nothing loaded)."""
     model_options = model_options or {}
     path = index.path
     small = [n for n, t in index.tensors.items()
-             if not _is_block_key(n, "", list_names) and not _is_block_key(n, "model.diffusion_model.", list_names)
-             or t.nbytes <= SMALL_BYTES]
+             if t.nbytes <= SMALL_BYTES or weights and not _is_block_key(n, "", list_names)
+             and not _is_block_key(n, "model.diffusion_model.", list_names)]
     real = index.read_tensors(small)
     sd = {n: real[n] if n in real else torch.empty(t.shape, dtype=t.dtype, device="meta")
           for n, t in index.tensors.items()}
@@ -98,6 +101,10 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
     if model_options.get("fp8_optimizations", False):
         model_config.optimizations["fp8"] = True
 
+    if not weights:
+        with features.static_construction(), torch.device("meta"):
+            model = model_config.get_model(sd, "")
+        return Skeleton(model, model_config, prefix, load_device, offload_device)
     with features.static_construction():
         model = model_config.get_model(sd, "").to(offload_device)   # a no-op move: nothing is loaded yet
         dm = model.diffusion_model

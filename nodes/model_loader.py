@@ -33,6 +33,7 @@ class RingSwapModelLoader:
             "home": (["ram", "disk"], {"default": "ram", "tooltip": HOME_TIP}),
             "pin_memory": (list(PIN_MODES), {"default": "auto", "tooltip": PIN_TIP}),
             "disk_workers": ("INT", {"default": 4, "min": 1, "max": 16, "tooltip": WORKERS_TIP}),
+        }, "optional": {   # optional: API workflows saved before it existed keep validating
             "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
                                          "tooltip": BUDGET_TIP}),
         }}

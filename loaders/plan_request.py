@@ -1,0 +1,94 @@
+"""The plan a run of a diffusion_models file would get, without loading it (GET /ringswap/plan).
+
+The model is built on the meta device from the file's header (cached per unchanged
+file), so block sizes, non-block weights and ComfyUI's activation estimate are the ones
+a load would have; the free VRAM counts what ComfyUI would unload before the run.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from dataclasses import dataclass
+
+import comfy.model_management
+
+from ..swap.planner import PlanInputs, WindowPlan, plan_window
+from . import comfy_features as features
+from .run_plan import tokens
+from .safetensors_index import SafetensorsIndex
+from .skeleton import build_skeleton
+from .swap_patcher import BLOCK_LIST_NAMES, find_block_lists
+
+GB = 1e9
+_CACHE: "collections.OrderedDict[tuple, FileFacts]" = collections.OrderedDict()
+_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    model: object                   # comfy BaseModel on the meta device (memory_required, latent_format)
+    block_sizes: tuple[int, ...]
+    nonblock_bytes: int
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def file_facts(path: str) -> FileFacts:
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    with _LOCK:
+        facts = _CACHE.get(key)
+        if facts is not None:
+            _CACHE.move_to_end(key)
+            return facts
+    model = build_skeleton(SafetensorsIndex.open(path), BLOCK_LIST_NAMES, weights=False).model
+    dm = model.diffusion_model
+    lists = find_block_lists(dm)
+    if not lists:
+        raise ValueError(f"RingSwap: {path}: {type(dm).__name__} has no transformer block list; "
+                         "it cannot be block-swapped")
+    blocks = [b for _, bl in lists for b in bl]
+    sizes = tuple(_nbytes(list(b.parameters()) + list(b.buffers())) for b in blocks)
+    total = _nbytes(list(dm.parameters()) + list(dm.buffers()))
+    facts = FileFacts(model, sizes, total - sum(sizes))
+    with _LOCK:
+        _CACHE[key] = facts
+        while len(_CACHE) > 4:
+            _CACHE.popitem(last=False)
+    return facts
+
+
+def latent_shape(model, width: int, height: int, frames: int, batch: int) -> tuple[int, ...]:
+    """The latent a run at this image/video size samples (the model's latent format)."""
+    fmt = model.latent_format
+    spatial = features.spatial_downscale(fmt)
+    shape = [batch, fmt.latent_channels]
+    if getattr(fmt, "latent_dimensions", 2) == 3:
+        shape.append((max(1, frames) - 1) // features.temporal_downscale(fmt) + 1)
+    return tuple(shape + [max(1, height // spatial), max(1, width // spatial)])
+
+
+def free_for_run(device) -> int:
+    """Free device memory plus what ComfyUI's loaded models hold (unloaded before a run as needed)."""
+    held = sum(lm.model_loaded_memory() for lm in comfy.model_management.current_loaded_models
+               if getattr(lm, "device", None) == device)
+    return features.free_vram(device) + int(held)
+
+
+def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: int = 1, window: int = 0,
+                  prefetch: int = 1, vram_budget_gb: float = 0.0) -> WindowPlan:
+    """The plan of a RingSwap run of `path` at this size (raises NotEnoughVRAM with the numbers)."""
+    facts = file_facts(path)
+    shape = latent_shape(facts.model, width, height, frames, batch)
+    device = comfy.model_management.get_torch_device()
+    everything = device.type == "cpu" and not vram_budget_gb and not window
+    inputs = PlanInputs(
+        block_sizes=facts.block_sizes, nonblock_bytes=facts.nonblock_bytes, free_bytes=free_for_run(device),
+        reserve_bytes=features.reserved_vram(), activation_bytes=int(facts.model.memory_required(list(shape))),
+        activation_source="ComfyUI's estimate", budget_bytes=int(vram_budget_gb * GB),
+        window=len(facts.block_sizes) if everything else window, prefetch=prefetch, device=str(device),
+        tokens=tokens(facts.model.diffusion_model, shape))
+    return plan_window(inputs)

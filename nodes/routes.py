@@ -1,0 +1,79 @@
+"""GET /ringswap/plan: the plan a run would get, for the web extension.
+
+Only a name from ComfyUI's own diffusion_models list is ever opened: anything else (a
+path, a name with `..`) is refused before a file is touched.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import folder_paths
+from aiohttp import web
+
+from ..loaders.plan_request import plan_for_file
+from ..swap.planner import NotEnoughVRAM
+
+# query parameter -> (type, smallest, largest, default; None = required)
+PARAMS = {
+    "width": (int, 16, 16384, None), "height": (int, 16, 16384, None), "frames": (int, 1, 100000, 1),
+    "batch": (int, 1, 4096, 1), "window": (int, 0, 1000, 0), "prefetch": (int, 0, 8, 1),
+    "vram_budget_gb": (float, 0.0, 1024.0, 0.0),
+}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def parse(query) -> dict:
+    """The plan's numbers from the query, each checked against its range (BadRequest names it)."""
+    out = {}
+    for name, (kind, lo, hi, default) in PARAMS.items():
+        raw = query.get(name)
+        if raw is None or raw == "":
+            if default is None:
+                raise BadRequest(f"'{name}' is required ({kind.__name__} from {lo} to {hi})")
+            out[name] = default
+            continue
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise BadRequest(f"'{name}' must be a{'n integer' if kind is int else ' number'}, got {raw!r}") from None
+        if not lo <= value <= hi:
+            raise BadRequest(f"'{name}' must be from {lo} to {hi}, got {raw}")
+        out[name] = value
+    return out
+
+
+async def get_plan(request: web.Request) -> web.Response:
+    query = request.rel_url.query
+    name = query.get("model", "")
+    if not name:
+        return web.json_response({"error": "'model' is required: a name from ComfyUI's diffusion_models list"},
+                                 status=400)
+    if name not in folder_paths.get_filename_list("diffusion_models"):
+        return web.json_response({"error": f"no model named {name!r} in ComfyUI's diffusion_models list"},
+                                 status=404)
+    try:
+        numbers = parse(query)
+    except BadRequest as e:
+        return web.json_response({"error": str(e)}, status=400)
+    path = folder_paths.get_full_path("diffusion_models", name)
+    try:
+        plan = await asyncio.get_running_loop().run_in_executor(None, lambda: plan_for_file(path, **numbers))
+    except NotEnoughVRAM as e:
+        return web.json_response({"model": name, "fits": False, "error": str(e)})
+    except (ValueError, OSError) as e:
+        return web.json_response({"model": name, "error": str(e)}, status=422)
+    return web.json_response({"model": name, "fits": True, **plan.as_dict()})
+
+
+def register_routes() -> bool:
+    """Add the route to ComfyUI's server when one is running (not when imported in-process)."""
+    server = sys.modules.get("server")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None:
+        return False
+    instance.routes.get("/ringswap/plan")(get_plan)
+    return True

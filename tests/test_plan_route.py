@@ -1,0 +1,132 @@
+"""GET /ringswap/plan over a real ComfyUI server's HTTP API, and vram_budget_gb in a run.
+
+A listed model gets the plan a run would get (the window of a budgeted run is the one the
+route said); names outside ComfyUI's diffusion_models list (a path with `..`, an absolute
+path) get 404 without the file being opened (it is a FIFO here: opening it would hang
+the server), bad numbers get 400, and the server stays healthy.
+"""
+import json
+import os
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+import torch
+
+from conftest import COMFY, CUDA, SERVER_ARGS
+from support.comfy_server import ComfyServer
+from support.wan_files import write_tiny_wan
+from support.workflows import build_workflow
+
+pytestmark = pytest.mark.server
+
+UNET = "tiny_wan_plan.safetensors"
+BLOCKS = 6
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory):
+    """A file next to the models folder that the route must never open."""
+    d = tmp_path_factory.mktemp("outside")
+    path = os.path.join(d, "secret.safetensors")
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(path)
+    else:
+        open(path, "wb").close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, outside):
+    models = tmp_path_factory.mktemp("models")
+    write_tiny_wan(os.path.join(models, "diffusion_models", UNET), dim=128, num_layers=BLOCKS,
+                   ffn_dim=256, dtype=torch.bfloat16, seed=3)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS, env=env) as srv:
+        yield srv
+
+
+def get(srv, **query):
+    url = srv.url + "/ringswap/plan?" + urllib.parse.urlencode(query)
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_budget_widget_is_listed_as_optional(server):
+    for node in ("RingSwapPatch", "RingSwapModelLoader"):
+        spec = server.object_info(node)[node]["input"]["optional"]["vram_budget_gb"]
+        assert spec[0] == "FLOAT" and spec[1]["default"] == 0.0 and spec[1]["tooltip"]
+
+
+def test_plan_for_a_listed_model(server):
+    status, plan = get(server, model=UNET, width=64, height=64, frames=5)
+    assert status == 200 and plan["fits"] and plan["model"] == UNET
+    assert plan["num_blocks"] == BLOCKS and plan["line"].startswith("RingSwap plan: window")
+    if not CUDA:   # a CPU holds every block unless a budget says otherwise
+        assert plan["window"] == BLOCKS and plan["streamed"] == 0
+    # a longer video needs more activations
+    _, longer = get(server, model=UNET, width=64, height=64, frames=81)
+    assert longer["activation_bytes"] > plan["activation_bytes"] and longer["tokens"] > plan["tokens"]
+    # a budget sizes the window: the largest whose blocks fit
+    block = plan["block_bytes_on_device"] / BLOCKS
+    budget = (plan["nonblock_bytes"] + plan["activation_bytes"] + 3.5 * block) / 1e9
+    _, budgeted = get(server, model=UNET, width=64, height=64, frames=5, vram_budget_gb=budget)
+    assert (budgeted["window"], budgeted["prefetch"], budgeted["ring_slots"]) == (2, 1, 2), budgeted["line"]
+    _, over = get(server, model=UNET, width=64, height=64, frames=5, vram_budget_gb=budget, window=3)
+    assert over["over_bytes"] > 0 and "over the room for blocks" in over["line"]
+    _, none = get(server, model=UNET, width=64, height=64, frames=5, vram_budget_gb=0.0001)
+    assert none["fits"] is False and "not even one block fits" in none["error"]
+
+
+def test_a_budgeted_run_gets_the_routes_window(server):
+    _, plan = get(server, model=UNET, width=64, height=64, frames=5)
+    block = plan["block_bytes_on_device"] / BLOCKS
+    budget = (plan["nonblock_bytes"] + plan["activation_bytes"] + 4.5 * block) / 1e9
+    _, expected = get(server, model=UNET, width=64, height=64, frames=5, vram_budget_gb=budget)
+    wf = build_workflow(UNET, use_patch=True, window=0, prefetch=1, width=64, height=64, length=5,
+                        steps=2, filename_prefix="plan_run")
+    wf["2"]["inputs"]["vram_budget_gb"] = budget
+    before = server.log_text().count("RingSwap plan:")
+    server.run(wf, timeout=300)
+    lines = [ln for ln in server.log_text().splitlines() if "RingSwap plan:" in ln][before:]
+    assert len(lines) == 1, lines
+    window = int(re.search(r"window (\d+) of", lines[0]).group(1))
+    assert window == expected["window"] == 3, (lines[0], expected["line"])
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "..", "sub/../" + UNET,
+                                  UNET + "/..", "nothing.safetensors", "../outside/secret.safetensors"])
+def test_names_outside_the_list_are_refused(server, name):
+    status, body = get(server, model=name, width=64, height=64)
+    assert status == 404 and "diffusion_models list" in body["error"]
+
+
+def test_the_outside_file_is_not_opened(server, outside):
+    relative = os.path.relpath(outside, os.path.join(server.models, "diffusion_models"))
+    for name in (outside, relative):
+        status, body = get(server, model=name, width=64, height=64)
+        assert status == 404 and "diffusion_models list" in body["error"], name
+
+
+@pytest.mark.parametrize("query,needle", [
+    ({}, "'model' is required"),
+    ({"model": UNET}, "'width' is required"),
+    ({"model": UNET, "width": "wide", "height": 64}, "'width' must be an integer"),
+    ({"model": UNET, "width": 64, "height": 64, "frames": 0}, "'frames' must be from 1"),
+    ({"model": UNET, "width": 64, "height": 64, "vram_budget_gb": "-1"}, "'vram_budget_gb' must be from 0.0"),
+    ({"model": UNET, "width": 64, "height": 64, "vram_budget_gb": "lots"}, "'vram_budget_gb' must be a number"),
+])
+def test_bad_numbers_are_refused(server, query, needle):
+    status, body = get(server, **query)
+    assert status == 400 and needle in body["error"], body
+
+
+def test_server_is_healthy_after(server):
+    assert "RingSwapPatch" in server.object_info()
+    status, plan = get(server, model=UNET, width=64, height=64)
+    assert status == 200 and plan["fits"]

@@ -1,0 +1,131 @@
+"""Each run's plan and out-of-memory recovery, in-process in a real ComfyUI (CPU in CI).
+
+The plan line comes once per sampling run, before the first step; vram_budget_gb sizes
+an automatic window; a budget that holds no block is refused with its numbers; an
+allocation failure injected at a chosen block of a chosen model call (swap.recovery's
+test hook) is retried at a smaller window, bit-exact with a clean run at that window,
+and a second failure fails the run with nothing left attached.
+"""
+import logging
+
+import pytest
+import torch
+
+import comfy.model_management
+import nodes as comfy_nodes
+
+from ringswap.nodes.patch import RingSwapPatch
+from ringswap.swap.planner import NotEnoughVRAM
+from ringswap.swap.recovery import inject_oom
+from wan_model import conditioning, latent, load_stock, tiny_wan
+
+BLOCKS = 8
+GB = 1e9
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    return load_stock(tiny_wan(str(tmp_path_factory.mktemp("wan")), blocks=BLOCKS))
+
+
+@pytest.fixture(scope="module")
+def reference(stock):
+    out = ksample(stock)
+    comfy.model_management.unload_all_models()
+    return out
+
+
+def ksample(model, seed=5, steps=3):
+    (out,) = comfy_nodes.KSampler().sample(model, seed, steps, 1.0, "euler", "simple",
+                                          conditioning(1), conditioning(2), latent())
+    return out["samples"].clone()
+
+
+def patched(model, window, prefetch=1, budget=0.0):
+    (m,) = RingSwapPatch().patch(model, window, prefetch, "auto", budget)
+    return m
+
+
+def messages(caplog, start):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
+
+
+def test_one_plan_line_per_run_before_its_steps(stock, reference, caplog):
+    model = patched(stock, 2)
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        for _ in range(2):
+            assert torch.equal(ksample(model), reference)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("RingSwap plan:", "RingSwap run:"))]
+    assert [ln.split(":")[0] for ln in lines] == ["RingSwap plan", "RingSwap run"] * 2, lines
+    plan = lines[0]
+    assert f"window 2 of {BLOCKS} (set; 1 resident + ring 2)" in plan
+    assert "activations ~" in plan and "at 32 tokens (ComfyUI's estimate)" in plan   # 2x8x8 latent, patch 1x2x2
+    assert "streams" in plan and "per model call" in plan
+    assert "3 model calls" in lines[1]
+
+
+def test_budget_sizes_the_automatic_window(stock, reference):
+    probe = patched(stock, 0)
+    ksample(probe)
+    inp = probe.__dict__["_ringswap_plan"].inputs
+    assert probe.swap_engine.plan.streamed == ()          # CPU without a budget: all resident
+    block = max(inp.block_sizes)
+    for on_device in (2, 3, 5):                            # window + prefetch blocks of room
+        budget = (inp.nonblock_bytes + inp.activation_bytes + on_device * block + block // 2) / GB
+        model = patched(stock, 0, 1, budget)
+        assert torch.equal(ksample(model), reference)
+        plan = model.__dict__["_ringswap_plan"]
+        assert (plan.window, plan.automatic) == (on_device - 1, True), plan.line()
+        assert model.swap_engine.plan.window == on_device - 1
+        comfy.model_management.unload_all_models()
+
+
+def test_budget_that_holds_no_block_is_refused(stock):
+    model = patched(stock, 0, 1, 0.0001)
+    with pytest.raises(NotEnoughVRAM, match=r"not even one block fits on cpu: .* budget 0\.00 GB"):
+        ksample(model)
+    assert model.swap_engine.att is None
+    assert ksample(patched(stock, 3)) is not None           # the next run works
+
+
+def test_out_of_memory_mid_run_retries_at_a_smaller_window(stock, reference, caplog):
+    clean = patched(stock, 3)
+    at_3 = ksample(clean)
+    comfy.model_management.unload_all_models()
+    model = patched(stock, 4)
+    engine = model.swap_engine
+    streamed = [b for b in range(BLOCKS) if b not in (0, 1, 2)][1]
+    inject_oom(engine, call=2, block=streamed)
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        out = ksample(model)
+    assert torch.equal(out, at_3) and torch.equal(out, reference)
+    (warning,) = messages(caplog, "RingSwap: out of memory on cpu at window 4, prefetch 1")
+    assert "retrying this step at window 3, prefetch 1" in warning
+    (run,) = messages(caplog, "RingSwap run:")
+    assert "window 3, prefetch 1" in run and "out of memory: window 4 -> 3" in run and "3 model calls" in run
+    plan = engine.plan
+    assert plan.window == 3 and len(engine.att.ring.slots) == plan.ring_slots == 2
+    assert len(engine.blocks_on_device()) <= len(plan.resident) + plan.ring_slots
+    assert all(s.slot is None for s in engine.states)
+    # the next run plans the set window again
+    assert torch.equal(ksample(model), reference) and engine.plan.window == 4
+
+
+def test_second_out_of_memory_fails_the_run_and_holds_nothing(stock, reference):
+    model = patched(stock, 4)
+    engine = model.swap_engine
+    inject_oom(engine, call=1, block=4, times=2)
+    with pytest.raises(torch.OutOfMemoryError, match="again after shrinking to window 3, prefetch 1"):
+        ksample(model)
+    assert engine.att is None
+    assert all(s.device_buffer is None and s.slot is None for s in engine.states)
+    assert torch.equal(ksample(model), reference)            # and the prompt after runs
+
+
+def test_out_of_memory_at_the_smallest_plan_fails_clearly(stock, reference):
+    model = patched(stock, 1, 0)
+    inject_oom(model.swap_engine, call=1, block=3)
+    with pytest.raises(torch.OutOfMemoryError, match="at window 1, prefetch 0, already the smallest plan"):
+        ksample(model)
+    assert model.swap_engine.att is None
+    assert torch.equal(ksample(model), reference)
