@@ -7,7 +7,8 @@
 # 0.33.0, dynamic VRAM off), suite-033-dyn (the same with 0.33's dynamic VRAM started as
 # its main.py does, RINGSWAP_DYNAMIC_VRAM=1), gpu / gpu-033 / gpu-033-dyn (only the tests
 # marked gpu, same three runtimes), dyn-bench (bench/dynamic_vram.py on 0.33, ~6 min), fold (bench/fold.py, ~1.5 min), kernels
-# (bench/fold_kernels.py, ~1 min), stream-quant (stream.py, scaled fp8 + nvfp4, ~4 min),
+# (bench/fold_kernels.py, ~1 min), auto / auto-033-dyn / auto-fp8-033-dyn (bench/auto_window.py, bf16 or
+# scaled fp8, caps 24/16/12 GiB, ~6 min), stream-quant (stream.py, scaled fp8 + nvfp4, ~4 min),
 # stream-bf16 (stream.py, bf16, ~5 min). A call may run 10 minutes: pick parts that fit
 # (two suites at most). The -033 parts need .comfyui-0.33-device in carry. fold, kernels
 # and stream-* run on the ComfyUI that RINGSWAP_COMFY names (default 0.3.75).
@@ -40,13 +41,17 @@ for p in "$@"; do
     gpu-033) part gpu_033 150 0.33 0 "${pytest[@]}" -m gpu ;;
     gpu-033-dyn) part gpu_033_dyn 150 0.33 1 "${pytest[@]}" -m gpu ;;
     dyn-bench) part dyn_bench 470 0.33 "" python3 bench/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
+    auto-033-dyn) part auto_033_dyn 420 0.33 1 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16_033dyn.json" ;;
+    auto-fp8-033-dyn) part auto_fp8_033_dyn 330 0.33 1 python3 bench/auto_window.py --format scaled_fp8 \
+                        --cap-timeout-s 150 --json "$OUT/auto_fp8_033dyn.json" ;;
+    auto) part auto 420 0.3.75 0 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16.json" ;;
     fold) part fold 150 "$bench_comfy" "" python3 bench/fold.py ;;
     kernels) part kernels 120 "$bench_comfy" "" python3 bench/fold_kernels.py ;;
     stream-quant) part stream_quant 330 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 nvfp4 \
                     --odirect-gb 0 --budget-s 300 --json "$OUT/stream_quant.json" ;;
     stream-bf16) part stream_bf16 420 "$bench_comfy" "" python3 bench/stream.py --formats bf16 --odirect-gb 0 \
                    --budget-s 390 --json "$OUT/stream_bf16.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench fold kernels stream-quant stream-bf16)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-bf16)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do

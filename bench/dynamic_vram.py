@@ -32,12 +32,6 @@ sys.path.insert(0, HERE)
 import stream  # noqa: E402  (ComfyUI and tests/support on sys.path, the model writer)
 
 CONFIGS = ("stock", "patch", "loader")
-BALLAST = ("import sys, time, torch\n"
-           "free, _ = torch.cuda.mem_get_info()\n"
-           "keep = int(float(sys.argv[1]) * 2**30)\n"
-           "x = torch.empty(max(0, free - keep), dtype=torch.uint8, device='cuda')\n"
-           "print('ready', x.numel(), flush=True)\n"
-           "time.sleep(3600)\n")
 
 
 def child(a) -> dict:
@@ -96,7 +90,7 @@ def child(a) -> dict:
 def run_config(a, config: str) -> dict:
     ballast = None
     if a.device == "cuda" and a.cap_gib > 0:
-        ballast = subprocess.Popen([sys.executable, "-c", BALLAST, str(a.cap_gib)], stdout=subprocess.PIPE, text=True)
+        ballast = subprocess.Popen([sys.executable, "-c", stream.BALLAST, str(a.cap_gib)], stdout=subprocess.PIPE, text=True)
         stream.say(f"[dyn] ballast: {ballast.stdout.readline().strip()}")
     try:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", config, "--path", a.path, "--device", a.device,

@@ -71,6 +71,15 @@ ST_RANK = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16"
 T0 = time.perf_counter()
 
 
+# A separate process holding all but argv[1] GiB of the GPU's free memory (a smaller card).
+BALLAST = ("import sys, time, torch\n"
+           "free, _ = torch.cuda.mem_get_info()\n"
+           "keep = int(float(sys.argv[1]) * 2**30)\n"
+           "x = torch.empty(max(0, free - keep), dtype=torch.uint8, device='cuda')\n"
+           "print('ready', x.numel(), flush=True)\n"
+           "time.sleep(3600)\n")
+
+
 def say(*args) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s]", *args, flush=True)
 

@@ -129,3 +129,22 @@ def test_out_of_memory_at_the_smallest_plan_fails_clearly(stock, reference):
         ksample(model)
     assert model.swap_engine.att is None
     assert torch.equal(ksample(model), reference)
+
+
+@pytest.mark.gpu
+def test_out_of_memory_recovery_on_cuda_is_bit_exact_and_frees_the_ring(stock):
+    clean = ksample(patched(stock, 3))
+    comfy.model_management.unload_all_models()
+    model = patched(stock, 4)
+    inject_oom(model.swap_engine, call=2, block=4)
+    assert torch.equal(ksample(model), clean)
+    assert model.swap_engine.plan.window == 3
+    comfy.model_management.unload_all_models()
+    base = torch.cuda.memory_allocated()
+    model = patched(stock, 4)
+    inject_oom(model.swap_engine, call=1, block=4, times=2)
+    with pytest.raises(torch.OutOfMemoryError, match="again after shrinking"):
+        ksample(model)
+    assert model.swap_engine.att is None
+    comfy.model_management.unload_all_models()
+    assert torch.cuda.memory_allocated() <= base
