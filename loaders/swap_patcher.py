@@ -8,6 +8,7 @@ on the diffusion model (shared by all clones), the settings on each patcher.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -188,6 +189,10 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self.model.model_loaded_weight_memory = self.model_size()
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
+        if engine.link_bytes_per_s != plan.inputs.link_bytes_per_s:   # measured by this placement
+            plan = dataclasses.replace(plan, inputs=dataclasses.replace(plan.inputs,
+                                                                        link_bytes_per_s=engine.link_bytes_per_s))
+            self.__dict__["_ringswap_plan"] = plan
         log.info("%s; %s memory, %.2f GB at home; placed in %.2f s%s", plan.line(), engine.memory,
                  engine.pool.nbytes / 1e9, time.perf_counter() - t0,
                  " (switched from another block-swapped model)" if switched else "")

@@ -75,6 +75,7 @@ class RunStats:
                 + (f"; LoRA fold {1e3 * self.fold_s_per_block:.2f} ms per block"
                    if self.fold_s_per_block else "")
                 + (f"; {self.calls} model calls, {self.compute_s:.2f} s compute each" if self.call_times else "")
+                + (f"; activations peaked at {self.activation_peak / 1e9:.2f} GB" if self.activation_peak else "")
                 + "".join(f"; out of memory: window {a} -> {b}" for a, b in self.shrinks)
                 + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
                    "for reads" if self.memory == "disk" else ""))
