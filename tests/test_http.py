@@ -116,3 +116,6 @@ def test_run_summary_reaches_the_browser_over_the_websocket(server):
     detail = asyncio.run(asyncio.wait_for(listen(), timeout=120))
     assert detail["line"].startswith("RingSwap run:") and detail["streamed"] == 5
     assert detail["bytes_copied"] > 0 and detail["window"] == 2
+    plan = detail["plan"]   # the run's plan, with the same numbers as its log line
+    assert plan["line"].startswith("RingSwap plan: window 2 of 6 (set;") and plan["window"] == 2
+    assert plan["streamed"] == 5 and plan["streamed_bytes"] > 0 and plan["activation_bytes"] > 0

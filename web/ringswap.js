@@ -1,5 +1,6 @@
 // RingSwap: shows the last sampling run's swap summary on RingSwap nodes.
-// The backend sends "ringswap.run" ({line, ...}) over ComfyUI's websocket after each run.
+// The backend sends "ringswap.run" ({line, plan: {line, window, ...}, ...}) over ComfyUI's
+// websocket after each run.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
@@ -7,7 +8,8 @@ const RINGSWAP_NODES = new Set(["RingSwapPatch", "RingSwapModelLoader"]);
 
 function summary(detail) {
   const hidden = detail.copy_ms > 0 ? Math.round((100 * detail.hidden_ms) / detail.copy_ms) : 100;
-  return `${detail.streamed} streamed · ${detail.gbps.toFixed(1)} GB/s · ${hidden}% hidden · waited ${Math.round(detail.wait_ms)} ms`;
+  const plan = detail.plan ? `window ${detail.plan.window}/${detail.plan.num_blocks} · ` : "";
+  return `${plan}${detail.streamed} streamed · ${detail.gbps.toFixed(1)} GB/s · ${hidden}% hidden · waited ${Math.round(detail.wait_ms)} ms`;
 }
 
 app.registerExtension({
@@ -18,6 +20,7 @@ app.registerExtension({
         if (RINGSWAP_NODES.has(node.comfyClass)) {
           node.ringswapSummary = summary(detail);
           node.ringswapLine = detail.line;
+          node.ringswapPlanLine = detail.plan?.line;
         }
       }
       app.graph.setDirtyCanvas(true, false);
@@ -42,6 +45,9 @@ app.registerExtension({
       getExtraMenuOptions?.apply(this, arguments);
       if (this.ringswapLine) {
         options.push({ content: "Copy last RingSwap run line", callback: () => navigator.clipboard?.writeText(this.ringswapLine) });
+      }
+      if (this.ringswapPlanLine) {
+        options.push({ content: "Copy last RingSwap plan line", callback: () => navigator.clipboard?.writeText(this.ringswapPlanLine) });
       }
     };
   },
