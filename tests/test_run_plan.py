@@ -148,3 +148,15 @@ def test_out_of_memory_recovery_on_cuda_is_bit_exact_and_frees_the_ring(stock):
     assert model.swap_engine.att is None
     comfy.model_management.unload_all_models()
     assert torch.cuda.memory_allocated() <= base
+
+
+@pytest.mark.gpu
+def test_first_call_measures_the_activation_peak_for_the_next_plan(stock, caplog):
+    model = patched(stock, 0)
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        ksample(model)
+        ksample(model)
+    plans = messages(caplog, "RingSwap plan:")
+    assert "(ComfyUI's estimate)" in plans[0] and "(measured on an earlier run)" in plans[1], plans
+    (measured,) = model.swap_state.measured.values()
+    assert measured.activation_peak > 0 and measured.compute_s > 0
