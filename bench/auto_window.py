@@ -192,15 +192,7 @@ def main() -> None:
     if a.device == "cpu":
         from comfy.cli_args import args
         args.cpu = True
-    layers, dim, ffn = (4, 128, 256) if a.small else (40, 5120, 13824)
-    os.makedirs(a.dir, exist_ok=True)
-    a.path = os.path.join(a.dir, f"wan_{a.format}_l{layers}_d{dim}.safetensors")
-    if not os.path.exists(a.path):
-        import quant_files
-        wa = argparse.Namespace(layers=layers, dim=dim, ffn=ffn, seed=0, small=a.small)
-        info = stream.write_model(a.path, a.format, wa, torch.device(a.device), quant_files,
-                                  stream.wan_template(layers, dim, ffn), 3 << 30)
-        stream.say(f"[auto] wrote {a.path}: {info}")
+    a.path = stream.wan14b_file(a.dir, a.format, a.small, a.device, layers_small=4)
     results = []
     for cap in (a.caps if a.device == "cuda" else [0]):
         results.append(run_cap(a, cap))

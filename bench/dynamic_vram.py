@@ -150,15 +150,7 @@ def main() -> None:
     if a.device == "cpu":
         from comfy.cli_args import args
         args.cpu = True
-    layers, dim, ffn = (2, 128, 256) if a.small else (40, 5120, 13824)
-    os.makedirs(a.dir, exist_ok=True)
-    a.path = os.path.join(a.dir, f"wan_bf16_l{layers}_d{dim}.safetensors")
-    if not os.path.exists(a.path):
-        wa = argparse.Namespace(layers=layers, dim=dim, ffn=ffn, seed=0, small=a.small)
-        dev = torch.device(a.device)
-        import quant_files
-        info = stream.write_model(a.path, "bf16", wa, dev, quant_files, stream.wan_template(layers, dim, ffn), 3 << 30)
-        stream.say(f"[dyn] wrote {a.path}: {info}")
+    a.path = stream.wan14b_file(a.dir, "bf16", a.small, a.device)
     if a.device == "cuda":
         torch.cuda.empty_cache()   # the ballast sizes itself from what is free now
     results = []

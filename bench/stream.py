@@ -80,6 +80,19 @@ BALLAST = ("import sys, time, torch\n"
            "time.sleep(3600)\n")
 
 
+def wan14b_file(directory: str, fmt: str, small: bool, device: str, layers_small: int = 2) -> str:
+    """A Wan-2.1-14B-shaped file in `fmt` (tiny with `small`) under `directory`, written once."""
+    layers, dim, ffn = (layers_small, 128, 256) if small else (40, 5120, 13824)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"wan_{fmt}_l{layers}_d{dim}.safetensors")
+    if not os.path.exists(path):
+        import quant_files
+        wa = argparse.Namespace(layers=layers, dim=dim, ffn=ffn, seed=0, small=small)
+        info = write_model(path, fmt, wa, torch.device(device), quant_files, wan_template(layers, dim, ffn), 3 << 30)
+        say(f"wrote {path}: {info}")
+    return path
+
+
 def say(*args) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s]", *args, flush=True)
 
