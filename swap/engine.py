@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import home
 from .hooks import BlockHooks
 from .host_pool import HostPool, empty_bytes
 from .layout import BlockBinding, BlockLayout
@@ -135,51 +136,20 @@ class BlockSwapEngine:
         reads); calls progress(done_bytes, total_bytes). Returns the bytes read."""
         if self.home != "ram" or self.read_block is None:
             return 0
-        todo = [s for s in self.states if s.index not in self.pool.blocks]
-        total = sum(s.layout.nbytes for s in todo)
-        futures = []
         try:
-            for s in todo:
-                buf = self.pool.add(s.index, s.layout.nbytes)
-                futures.append((s, buf, self.read_block(s.index, buf.flat)))
-            done = 0
-            for s, buf, fut in futures:
-                fut.result()
-                s.binding.bind(s.layout.views(buf.flat))
-                done += s.layout.nbytes
-                if progress is not None:
-                    progress(done, total)
+            return home.fill(self.states, self.pool, self.read_block, progress)
         except BaseException:
-            for s, buf, fut in futures:
-                fut.cancel()
-            for s, buf, fut in futures:
-                if not fut.cancelled():
-                    try:
-                        fut.result()
-                    except BaseException:
-                        pass
             self.release_home()
             raise
-        return total
 
     def _ensure_home(self) -> None:
-        """Give every block an exact-size host home holding its current weights, and
-        point its parameters there. Re-captures a block whose tensors were replaced
-        from outside (e.g. another loader moved the shared model)."""
+        """Every block's exact-size host home holds its current weights (home=ram)."""
         if self.home == "disk":
             return
         if self.read_block is not None:
             self.fill_home()
-            return
-        for s in self.states:
-            buf = self.pool.blocks.get(s.index)
-            current = s.binding.current()
-            if buf is not None and current[0].data_ptr() == buf.flat.data_ptr():
-                continue
-            if buf is None:
-                buf = self.pool.add(s.index, s.layout.nbytes)
-            s.layout.pack(current, buf.flat)
-            s.binding.bind(s.layout.views(buf.flat))
+        else:
+            home.capture(self.states, self.pool)
 
     def _home_views(self, s: BlockState) -> list[torch.Tensor]:
         return s.layout.views(self.pool.blocks[s.index].flat)
@@ -252,24 +222,7 @@ class BlockSwapEngine:
     def _choose_memory(self, device: torch.device, plan: ResidencyPlan, pin_memory: str) -> str:
         if self.home == "disk":
             return "disk"
-        if not plan.streamed:
-            return "pinned" if self.pool.pinned_bytes else "pageable"
-        if device.type != "cuda":
-            return "staged"
-        if pin_memory == "off":
-            self.pool.unpin_all()
-            return "pageable"
-        if self.pool.pin(list(plan.streamed)):
-            return "pinned"
-        gib = sum(self.states[i].layout.nbytes for i in plan.streamed) / 2**30
-        if pin_memory == "on":
-            raise RuntimeError(
-                f"pin_memory='on' but page-locking {len(plan.streamed)} blocks ({gib:.1f} GiB) failed (refused "
-                "by the OS or over the host's pin budget); free RAM, lower the streamed share (a larger window) "
-                "or use pin_memory='auto'")
-        log.warning("RingSwap: could not pin %.1f GiB of host memory (refused by the OS or over the host's "
-                    "pin budget); using pageable memory with a pinned staging ring (slower copies)", gib)
-        return "staged"
+        return home.copy_memory(self.states, self.pool, device, plan, pin_memory)
 
     def detach(self) -> None:
         """Drain copies, unhook, free device buffers; parameters point at home again."""

@@ -1,0 +1,85 @@
+"""Blocks' homes in host RAM: one exact-size buffer per block, and how copies leave it.
+
+A home is filled once from a reader (parallel reads) or captured from the module's own
+tensors, and its block's parameters point into it; `copy_memory` page-locks the streamed
+blocks' homes where it can and otherwise falls back to a pinned staging ring.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from .host_pool import HostPool
+from .plan import ResidencyPlan
+
+log = logging.getLogger("ringswap.home")
+
+
+def fill(states: list, pool: HostPool, read_block: Callable, progress: Callable[[int, int], None] | None) -> int:
+    """Read every block without a home into a new one; calls progress(done, total) and
+    returns the bytes read. On failure the reads in flight are cancelled or drained and
+    the exception re-raised (the caller frees the homes)."""
+    todo = [s for s in states if s.index not in pool.blocks]
+    total = sum(s.layout.nbytes for s in todo)
+    futures = []
+    try:
+        for s in todo:
+            buf = pool.add(s.index, s.layout.nbytes)
+            futures.append((s, buf, read_block(s.index, buf.flat)))
+        done = 0
+        for s, buf, fut in futures:
+            fut.result()
+            s.binding.bind(s.layout.views(buf.flat))
+            done += s.layout.nbytes
+            if progress is not None:
+                progress(done, total)
+    except BaseException:
+        for _, _, fut in futures:
+            fut.cancel()
+        for _, _, fut in futures:
+            if not fut.cancelled():
+                try:
+                    fut.result()
+                except BaseException:
+                    pass
+        raise
+    return total
+
+
+def capture(states: list, pool: HostPool) -> None:
+    """Give every block a home holding its current weights and point its parameters there;
+    re-captures a block whose tensors were replaced from outside (e.g. another loader
+    moved the shared model)."""
+    for s in states:
+        buf = pool.blocks.get(s.index)
+        current = s.binding.current()
+        if buf is not None and current[0].data_ptr() == buf.flat.data_ptr():
+            continue
+        if buf is None:
+            buf = pool.add(s.index, s.layout.nbytes)
+        s.layout.pack(current, buf.flat)
+        s.binding.bind(s.layout.views(buf.flat))
+
+
+def copy_memory(states: list, pool: HostPool, device: torch.device, plan: ResidencyPlan, pin_memory: str) -> str:
+    """How the streamed blocks' copies leave their homes: "pinned", "staged" or "pageable"."""
+    if not plan.streamed:
+        return "pinned" if pool.pinned_bytes else "pageable"
+    if device.type != "cuda":
+        return "staged"
+    if pin_memory == "off":
+        pool.unpin_all()
+        return "pageable"
+    if pool.pin(list(plan.streamed)):
+        return "pinned"
+    gib = sum(states[i].layout.nbytes for i in plan.streamed) / 2**30
+    if pin_memory == "on":
+        raise RuntimeError(
+            f"pin_memory='on' but page-locking {len(plan.streamed)} blocks ({gib:.1f} GiB) failed (refused "
+            "by the OS or over the host's pin budget); free RAM, lower the streamed share (a larger window) "
+            "or use pin_memory='auto'")
+    log.warning("RingSwap: could not pin %.1f GiB of host memory (refused by the OS or over the host's "
+                "pin budget); using pageable memory with a pinned staging ring (slower copies)", gib)
+    return "staged"
