@@ -19,7 +19,8 @@ from .block_reader import BlockReader
 from .block_source import BlockSource
 from .safetensors_index import SafetensorsIndex
 from .skeleton import build_skeleton
-from .swap_patcher import BLOCK_LIST_NAMES, SwapModelPatcher, SwapSettings, SwapState, find_block_lists
+from .block_lists import ALL_NAMES, find_block_lists
+from .swap_patcher import SwapModelPatcher, SwapSettings, SwapState
 
 log = logging.getLogger("ringswap.model_loader")
 
@@ -73,12 +74,12 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
     """The plain ModelPatcher of the file, with its swap engine installed; wrap it with
     SwapModelPatcher.wrap for each set of swap settings (no re-read)."""
     index = SafetensorsIndex.open(path)
-    skeleton = build_skeleton(index, BLOCK_LIST_NAMES, model_options)
+    skeleton = build_skeleton(index, ALL_NAMES, model_options)
     dm = skeleton.model.diffusion_model
     lists = find_block_lists(dm)
     if not lists:
         raise ValueError(f"RingSwap: {path}: {type(dm).__name__} has no transformer block list "
-                         f"(one of: {', '.join(BLOCK_LIST_NAMES)}); it cannot be block-swapped")
+                         f"(one of: {', '.join(ALL_NAMES)}); it cannot be block-swapped")
     blocks = [b for _, bl in lists for b in bl]
     keys = [f"{skeleton.prefix}{name}.{j}." for name, bl in lists for j in range(len(bl))]
     reader = BlockReader(path, workers=disk_workers)

@@ -18,7 +18,7 @@ from . import comfy_features as features
 from .run_plan import tokens
 from .safetensors_index import SafetensorsIndex
 from .skeleton import build_skeleton
-from .swap_patcher import BLOCK_LIST_NAMES, find_block_lists
+from .block_lists import ALL_NAMES, find_block_lists
 
 GB = 1e9
 _CACHE: "collections.OrderedDict[tuple, FileFacts]" = collections.OrderedDict()
@@ -44,7 +44,7 @@ def file_facts(path: str) -> FileFacts:
         if facts is not None:
             _CACHE.move_to_end(key)
             return facts
-    model = build_skeleton(SafetensorsIndex.open(path), BLOCK_LIST_NAMES, weights=False).model
+    model = build_skeleton(SafetensorsIndex.open(path), ALL_NAMES, weights=False).model
     dm = model.diffusion_model
     lists = find_block_lists(dm)
     if not lists:

@@ -26,19 +26,17 @@ from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ..swap.host_pool import set_pin_budget
 from . import comfy_features as features
 from . import run_plan
+from .block_lists import ALL_NAMES, find_block_lists
 
 log = logging.getLogger("ringswap.patcher")
 
 if features.ComfyPinBudget.available():   # RingSwap's pins count in ComfyUI's pin budget
     set_pin_budget(features.ComfyPinBudget())
 
-# Names of block lists in ComfyUI's DiTs, in execution order where a model has several.
-BLOCK_LIST_NAMES = ("blocks", "double_blocks", "single_blocks", "transformer_blocks", "joint_blocks", "layers")
-
 
 @dataclass(frozen=True)
 class SwapSettings:
-    window: int          # blocks kept on the device; 0 = from ComfyUI's memory budget
+    window: int          # blocks kept on the device; 0 = planned for each run (swap.planner)
     prefetch: int = 1
     pin_memory: str = "auto"
     vram_budget_gb: float = 0.0   # VRAM this model may use in all (weights + activations); 0 = what is free
@@ -54,16 +52,6 @@ class SwapSettings:
             raise ValueError(f"RingSwap: pin_memory must be one of {PIN_MODES}, got {self.pin_memory!r}")
 
 
-def find_block_lists(diffusion_model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """The model's transformer block lists, e.g. [("blocks", ...)] for Wan."""
-    found = []
-    for name in BLOCK_LIST_NAMES:
-        blocks = getattr(diffusion_model, name, None)
-        if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
-            found.append((name, blocks))
-    return found
-
-
 class SwapState:
     """What all patchers of one diffusion model share: the engine and block names."""
 
@@ -72,7 +60,7 @@ class SwapState:
         if not lists:
             raise ValueError(
                 f"RingSwap: {type(diffusion_model).__name__} has no transformer block list "
-                f"(looked for a non-empty ModuleList named one of: {', '.join(BLOCK_LIST_NAMES)}); "
+                f"(looked for a non-empty ModuleList named one of: {', '.join(ALL_NAMES)}); "
                 "this model cannot be block-swapped")
         self.list_names = [n for n, _ in lists]
         # ComfyUI's weight-key prefix of each engine block, e.g. "diffusion_model.blocks.7."
@@ -85,6 +73,8 @@ class SwapState:
             t.numel() * t.element_size()
             for n, t in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers())
             if not any(n.startswith(p[len("diffusion_model."):]) for p in self.prefixes))
+
+        _warn_unlisted(diffusion_model, self.list_names)
 
     @classmethod
     def install(cls, diffusion_model: nn.Module, engine: BlockSwapEngine) -> "SwapState":
@@ -101,6 +91,17 @@ class SwapState:
             state = cls(dm)
             dm.__dict__["_ringswap_state"] = state
         return state
+
+
+def _warn_unlisted(diffusion_model: nn.Module, listed: list[str]) -> None:
+    """Say so when a ModuleList that is not swapped holds a tenth of the model or more."""
+    def nbytes(m):
+        return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+    total = nbytes(diffusion_model)
+    for name, child in diffusion_model.named_children():
+        if isinstance(child, nn.ModuleList) and name not in listed and total and nbytes(child) >= total / 10:
+            log.warning("RingSwap: %s.%s (%d modules, %.2f GB) is not a block list RingSwap swaps; it stays "
+                        "on the GPU", type(diffusion_model).__name__, name, len(child), nbytes(child) / 1e9)
 
 
 class SwapModelPatcher(comfy.model_patcher.ModelPatcher):

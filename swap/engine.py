@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import home
+from .call_order import CallOrder
 from .hooks import BlockHooks
 from .host_pool import HostPool, empty_bytes
 from .layout import BlockBinding, BlockLayout
@@ -55,7 +56,7 @@ class _Attachment:
     """Everything that exists only while the engine is attached to a device."""
 
     def __init__(self, device: torch.device, plan: ResidencyPlan, memory: str, pin_memory: str,
-                 owner: object, on_land: Callable | None):
+                 owner: object, on_land: Callable | None, learned: tuple[int, ...] | None):
         self.owner = owner          # opaque token of whoever attached (e.g. a weakref)
         self.on_land = on_land
         self.device = device
@@ -66,6 +67,7 @@ class _Attachment:
         self.ring: SlotRing | None = None
         self.readahead: ReadAhead | None = None
         self.hooks: BlockHooks | None = None
+        self.order = CallOrder(plan.streamed, learned)
         self.stats = self.new_stats()
 
     def new_stats(self) -> RunStats:
@@ -73,9 +75,9 @@ class _Attachment:
         return RunStats(p.num_blocks, len(p.resident), len(p.streamed), p.ring_slots,
                         p.window, p.prefetch, self.memory)
 
-    def upcoming(self, block: int) -> list[int]:
-        """Streamed blocks in run order starting after `block` (wrapping)."""
-        return self.plan.next_streamed(block)
+    def upcoming(self) -> list[int]:
+        """Streamed blocks in call order after the last one called (wrapping)."""
+        return self.order.upcoming()
 
 
 HOMES = ("ram", "disk")
@@ -107,6 +109,7 @@ class BlockSwapEngine:
         self.att: _Attachment | None = None
         self.link_bytes_per_s = 0.0   # last measured host-to-device copy rate
         self.faults = None            # test hook: .check(call, block) may raise (see recovery.FaultInjector)
+        self.orders: dict[tuple[int, ...], tuple[int, ...]] = {}   # streamed blocks -> their learned call order
         if read_block is not None:   # weights come from the reader: drop what the modules hold
             for st in self.states:
                 st.unbind(torch.device("cpu"))
@@ -177,7 +180,7 @@ class BlockSwapEngine:
             self.detach()
         self._ensure_home()
         memory = self._choose_memory(device, plan, pin_memory)
-        att = _Attachment(device, plan, memory, pin_memory, owner, on_land)
+        att = _Attachment(device, plan, memory, pin_memory, owner, on_land, self.orders.get(plan.streamed))
         try:
             if self.home == "disk":
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
@@ -202,7 +205,7 @@ class BlockSwapEngine:
                 att.hooks = BlockHooks([s.block for s in self.states], list(plan.streamed),
                                        self._before_block, self._after_block)
             self.att = att
-            for i in plan.streamed[:plan.ring_slots]:
+            for i in att.upcoming()[:plan.ring_slots]:
                 self._issue(i, att.ring.victim([]))
             placed_s = att.copier.take_times()[0]   # resident placement is loading, not a run's copies
             placed = sum(self.states[i].layout.nbytes for i in plan.resident)
@@ -310,7 +313,7 @@ class BlockSwapEngine:
         if after is None:
             return
         owners = set(att.ring.owners())
-        for b in att.upcoming(after)[:len(att.readahead.staging)]:
+        for b in att.upcoming()[:len(att.readahead.staging)]:
             if b in owners or att.readahead.pending(b) is not None:
                 continue
             if att.readahead.request(b, self.states[b].layout.nbytes) is None:
@@ -320,9 +323,11 @@ class BlockSwapEngine:
         att = self.att
         if self.faults is not None:
             self.faults.check(att.stats.calls, block)
+        att.order.observe(block)
         slot = att.ring.slot_of(block)
-        if slot is None:   # not predicted (first call after a plan change, odd call order)
-            slot = att.ring.victim(att.upcoming(block)[:-1])
+        if slot is None:   # not predicted (a call order not learned yet): fetched now, counted
+            att.stats.unplanned += 1
+            slot = att.ring.victim(att.upcoming()[:-1])
             self._issue(block, slot)
         if slot.loading is not None:
             self._land(slot, wait=True)
@@ -345,8 +350,13 @@ class BlockSwapEngine:
         if slot is None or slot.owner != block:
             return
         slot.free = att.copier.record_compute()
+        upcoming = att.upcoming()
+        if block in upcoming[:len(att.ring.slots)]:   # called again soon (e.g. the next VACE context): keep it
+            if att.readahead is not None:
+                self._pump()
+            return
         owned = set(att.ring.owners())
-        nxt = next((b for b in att.upcoming(block) if b not in owned), None)
+        nxt = next((b for b in upcoming if b not in owned), None)
         if nxt is not None:
             self._issue(nxt, slot)
         elif att.readahead is not None:
@@ -354,14 +364,21 @@ class BlockSwapEngine:
 
     # ----- runs ------------------------------------------------------------------------
     def begin_call(self) -> None:
-        """A model call (one forward of all blocks) starts: counted, and timed on the device."""
-        if self.att is not None:
-            self.att.stats.calls += 1
-            self.att.copier.mark_call(start=True)
+        """A model call (one forward of all blocks) starts: counted, timed on the device, and
+        the first call of a plan records the order the model calls its blocks in."""
+        att = self.att
+        if att is not None:
+            att.stats.calls += 1
+            att.copier.mark_call(start=True)
+            att.order.start(learn=att.plan.streamed not in self.orders)
 
     def end_call(self) -> None:
-        if self.att is not None:
-            self.att.copier.mark_call(start=False)
+        att = self.att
+        if att is not None:
+            att.copier.mark_call(start=False)
+            learned = att.order.finish()
+            if learned is not None:
+                self.orders[att.plan.streamed] = learned
 
     def _close_stats(self) -> RunStats:
         """Unbind any block left bound by an exception and fold the device timings into the

@@ -9,7 +9,6 @@ so that every copy has resident compute around it to hide under.
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 
@@ -45,14 +44,6 @@ class ResidencyPlan:
         streamed = tuple(sorted({(i * num_blocks) // n_streamed for i in range(n_streamed)}))
         resident = tuple(i for i in range(num_blocks) if i not in set(streamed))
         return cls(num_blocks, window, prefetch, resident, streamed)
-
-    def next_streamed(self, block: int) -> list[int]:
-        """Streamed blocks in the order they run after `block`, wrapping to the next step."""
-        s = self.streamed
-        if not s:
-            return []
-        start = bisect.bisect_right(s, block) % len(s)
-        return list(s[start:] + s[:start])
 
     def describe(self) -> str:
         if not self.streamed:

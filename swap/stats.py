@@ -22,6 +22,7 @@ class RunStats:
     read_wait_s: float = 0.0   # home=disk: time the block loop waited for reads
     land_times: list = field(default_factory=list)   # device seconds of each on-land (LoRA fold) on streamed blocks
     calls: int = 0         # model calls (forwards of all blocks)
+    unplanned: int = 0     # streamed blocks called before their copy was issued (fetched then)
     call_times: list = field(default_factory=list)   # device seconds of each model call
     shrinks: list = field(default_factory=list)      # (from window, to window) after running out of memory
     activation_peak: int = 0   # bytes the first model call allocated beyond the weights (CUDA)
@@ -35,7 +36,7 @@ class RunStats:
     def continued(self, fresh: "RunStats") -> "RunStats":
         """`fresh` (stats of a new plan mid-run) with this run's counters carried over."""
         for name in ("copies", "bytes_copied", "copy_s", "wait_s", "forwards", "bytes_read", "read_wait_s",
-                     "calls", "activation_peak"):
+                     "calls", "unplanned", "activation_peak"):
             setattr(fresh, name, getattr(self, name))
         fresh.land_times, fresh.call_times = self.land_times, self.call_times
         fresh.shrinks = self.shrinks + [(self.window, fresh.window)]
@@ -75,6 +76,7 @@ class RunStats:
                 + (f"; LoRA fold {1e3 * self.fold_s_per_block:.2f} ms per block"
                    if self.fold_s_per_block else "")
                 + (f"; {self.calls} model calls, {self.compute_s:.2f} s compute each" if self.call_times else "")
+                + (f"; {self.unplanned} out-of-order fetches" if self.unplanned else "")
                 + (f"; activations peaked at {self.activation_peak / 1e9:.2f} GB" if self.activation_peak else "")
                 + "".join(f"; out of memory: window {a} -> {b}" for a, b in self.shrinks)
                 + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
