@@ -11,7 +11,7 @@
 # scaled fp8, caps 24/16/12 GiB, ~6 min), stream-quant (stream.py, scaled fp8 + nvfp4, ~4 min),
 # stream-bf16 (stream.py, bf16, ~5 min). A call may run 10 minutes: pick parts that fit
 # (two suites at most). The -033 parts need .comfyui-0.33-device in carry. fold, kernels
-# and stream-* run on the ComfyUI that RINGSWAP_COMFY names (default 0.3.75).
+# stream-fp8 (stream.py, scaled fp8 only, 32,760 tokens, ~3.5 min) and stream-* run on the ComfyUI that RINGSWAP_COMFY names (default 0.3.75).
 set -u
 OUT="${OUT:-$(pwd)/out/device}"
 mkdir -p "$OUT"
@@ -49,9 +49,11 @@ for p in "$@"; do
     kernels) part kernels 120 "$bench_comfy" "" python3 bench/fold_kernels.py ;;
     stream-quant) part stream_quant 330 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 nvfp4 \
                     --odirect-gb 0 --budget-s 300 --json "$OUT/stream_quant.json" ;;
+    stream-fp8) part stream_fp8 240 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 --tokens 32760 \
+                  --odirect-gb 0 --budget-s 210 --json "$OUT/stream_fp8.json" ;;
     stream-bf16) part stream_bf16 420 "$bench_comfy" "" python3 bench/stream.py --formats bf16 --odirect-gb 0 \
                    --budget-s 390 --json "$OUT/stream_bf16.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-bf16)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
