@@ -6,7 +6,8 @@ BlockReader's positioned reads straight into the destination buffer. A tensor wh
 file dtype differs from the dtype ComfyUI chose for the module is read into a small
 temporary buffer and cast, exactly as ComfyUI's load_state_dict copy would. A scalar
 the file lacks (e.g. scaled-fp8 `scale_input`) keeps the value ComfyUI's op gave it,
-as with ComfyUI's non-strict loading; any other missing tensor is an error.
+as with ComfyUI's non-strict loading; any other missing tensor is an error. The buffers
+for casts are memory mappings of their own (swap.host_pool.mapped_bytes), not malloc's.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from torch import nn
 
+from ..swap.host_pool import mapped_bytes
 from ..swap.layout import BlockBinding, BlockLayout
 from .block_reader import BlockReader
 from .safetensors_index import SafetensorsIndex
@@ -79,7 +81,7 @@ class BlockSource:
         self._cast_pool = ThreadPoolExecutor(reader.workers, thread_name_prefix="ringswap-cast") \
             if any(self.cast) else None
         self._large_cast = threading.Lock()   # guards _large_buf: large casts one at a time
-        self._large_buf = torch.empty(0, dtype=torch.uint8)
+        self._large_buf = mapped_bytes(0)
 
     def read(self, block: int, dest: torch.Tensor) -> Future:
         """Fill `dest` (uint8, the block's layout) from the file; a Future of bytes read."""
@@ -94,7 +96,9 @@ class BlockSource:
         together with the direct ranges, into one staging buffer; the large ones after, one
         at a time across all blocks through one reused buffer."""
         small, small_bytes, large = self._cast_plan[block]
-        tmp = torch.empty(small_bytes, dtype=torch.uint8)
+        # mapped, not malloc'd: on a reader thread malloc would take it from that thread's
+        # own heap, which keeps what is freed (RSS grew every load; swap.host_pool.mapped_bytes)
+        tmp = mapped_bytes(small_bytes)
         futures = [self.reader.read_into(tmp, [(info.start, info.nbytes, off) for info, _, off in small])]
         if self.direct[block]:
             futures.append(self.reader.read_into(dest, self.direct[block]))
@@ -111,7 +115,7 @@ class BlockSource:
         for info, e in large:
             with self._large_cast:   # one reused buffer: host memory for casts stays one tensor
                 if self._large_buf.numel() < info.nbytes:
-                    self._large_buf = torch.empty(info.nbytes, dtype=torch.uint8)
+                    self._large_buf = mapped_bytes(info.nbytes)
                 big = self._large_buf[:info.nbytes]
                 n += self.reader.read_into(big, [(info.start, info.nbytes, 0)]).result()
                 _cast_into(dest, e, big, info)

@@ -2,6 +2,11 @@
 
 Nothing of the blocks is read here for home=disk; for home=ram every block is read once
 into its exact-size host buffer. Errors name the file and leave nothing loaded.
+
+The model is built inside `mapped_allocations()`: ComfyUI's `torch.empty` block weights,
+dropped for the engine's buffers right away, then cost no RAM and leave nothing in malloc's
+heap (from there they left RSS a little higher every load), and the other large weights
+are given back to the OS with the model.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Callable
 import comfy.model_patcher
 
 from ..swap import BlockSwapEngine
+from ..swap.host_pool import mapped_allocations
 from . import comfy_features as features
 from .block_reader import BlockReader
 from .block_source import BlockSource
@@ -74,7 +80,8 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
     """The plain ModelPatcher of the file, with its swap engine installed; wrap it with
     SwapModelPatcher.wrap for each set of swap settings (no re-read)."""
     index = SafetensorsIndex.open(path)
-    skeleton = build_skeleton(index, ALL_NAMES, model_options)
+    with mapped_allocations():
+        skeleton = build_skeleton(index, ALL_NAMES, model_options)
     dm = skeleton.model.diffusion_model
     lists = find_block_lists(dm)
     if not lists:

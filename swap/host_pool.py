@@ -7,6 +7,9 @@ cudaHostRegister (what ComfyUI itself uses). Written here because no library off
 exact-size pinned buffers. When pinning is off, fails, is over the host's pin budget
 (`set_pin_budget`), or there is no CUDA, the pool stays pageable and the ring copies
 through a few staging buffers instead.
+
+Host memory that comes and goes every load or run lives in memory mappings of its own
+(`mapped_bytes`, `mapped_allocations`), never in malloc's heaps: see `mapped_bytes`.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import mmap
 from typing import Protocol
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger("ringswap.host_pool")
 
@@ -51,14 +55,70 @@ def _clear_cuda_error() -> None:
         pass
 
 
+def mapped_bytes(nbytes: int) -> torch.Tensor:
+    """`nbytes` uninitialised host bytes (uint8, page-aligned) in an anonymous memory mapping
+    of their own, unmapped when the last tensor using it is freed; untouched pages cost no
+    RAM. Freed, they go back to the OS at once. From malloc they would not: glibc raises its
+    mmap threshold to the largest block freed (up to 32 MiB), so such buffers then come from
+    its heaps (one per thread that allocates), which keep what is freed among what lives on:
+    a server's RSS climbed a few MiB every load. Linux and Windows (mmap.mmap(-1, n))."""
+    return torch.frombuffer(mmap.mmap(-1, _page_round(max(nbytes, 1))), dtype=torch.uint8)[:nbytes]
+
+
+MAPPED_MIN_BYTES = 128 * 1024   # glibc's initial mmap threshold: what it maps itself until that moves
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype, device="meta").element_size()
+
+
+def _mapped_empty(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """torch.empty(*args, **kwargs) in its own mapping, or None to leave the call to torch:
+    another device, `out=`/`names=`, pinned, another layout or memory format, or small."""
+    if set(kwargs) - {"size", "dtype", "device", "layout", "requires_grad", "memory_format", "pin_memory"}:
+        return None
+    if kwargs.get("layout") not in (None, torch.strided) or kwargs.get("pin_memory") \
+            or kwargs.get("memory_format") not in (None, torch.contiguous_format):
+        return None
+    size = kwargs["size"] if "size" in kwargs else args[0] if len(args) == 1 and not isinstance(args[0], int) else args
+    if not all(isinstance(d, int) and d >= 0 for d in size):
+        return None
+    device = kwargs.get("device")
+    # the default device as torch would pick it (a `with torch.device(...)` outside this mode included)
+    device = torch.device(device) if device is not None else torch.empty(0).device
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    numel = 1
+    for d in size:
+        numel *= d
+    nbytes = numel * _itemsize(dtype)
+    if device.type != "cpu" or nbytes < MAPPED_MIN_BYTES:
+        return None
+    t = mapped_bytes(nbytes).view(dtype).view(tuple(size))
+    return t.requires_grad_() if kwargs.get("requires_grad") else t
+
+
+class mapped_allocations(TorchFunctionMode):
+    """Within `with mapped_allocations():`, every `torch.empty` of at least MAPPED_MIN_BYTES
+    on the CPU gets a mapping of its own (`mapped_bytes`); any other call is torch's. For
+    building a model whose block weights are dropped right away (an untouched mapping
+    costs no RAM and, freed, leaves nothing behind) and whose other weights live as long
+    as the model."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.empty:
+            t = _mapped_empty(args, kwargs)
+            if t is not None:
+                return t
+        return func(*args, **kwargs)
+
+
 class HostBuffer:
-    """One page-aligned host byte buffer, optionally page-locked. Anonymous mmap memory:
-    freeing it returns it to the OS at once (malloc'd blocks of this size would stay in
-    the allocator's heap and make RSS climb run after run)."""
+    """One page-aligned host byte buffer, optionally page-locked, in a memory mapping of
+    its own (`mapped_bytes`): freeing it returns it to the OS at once."""
 
     def __init__(self, nbytes: int):
-        size = _page_round(max(nbytes, 1))
-        self._region = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+        self._region = mapped_bytes(_page_round(max(nbytes, 1)))
         self.flat = self._region[:nbytes]
         self.nbytes = nbytes
         self.pinned = False

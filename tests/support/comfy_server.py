@@ -298,6 +298,12 @@ class ComfyServer:
     def interrupt(self):
         self._request("POST", "/interrupt", {})
 
+    def free(self, unload_models: bool = True, free_memory: bool = False) -> None:
+        """POST /free: ComfyUI's "unload models" (free_memory: also drop its node cache),
+        followed by its gc. It only sets flags, which the prompt worker reads after its
+        next queue item (or at once when idle)."""
+        self._request("POST", "/free", {"unload_models": unload_models, "free_memory": free_memory})
+
     def output_files(self, entry: dict, kind=None) -> list:
         """Absolute paths of the files a history entry lists in its outputs
         (kind: e.g. "latents", "images"; None = all)."""
