@@ -7,6 +7,7 @@ every model call through swap.recovery (out-of-memory retry at a smaller window)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -96,8 +97,9 @@ def plan_for_load(patcher, device: torch.device, full_load: bool) -> WindowPlan:
     settings = patcher.ringswap
     everything = (device.type == "cpu" or full_load) and not settings.vram_budget_gb
     free = features.free_vram(device) + patcher.model.model_loaded_weight_memory
-    return plan_window(plan_inputs(patcher, device, free, request_of(patcher),
+    plan = plan_window(plan_inputs(patcher, device, free, request_of(patcher),
                                    window=n if everything and not settings.window else None))
+    return dataclasses.replace(plan, automatic=not settings.window)
 
 
 def record_run(patcher, stats) -> None:

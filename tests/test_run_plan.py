@@ -153,6 +153,7 @@ def test_out_of_memory_recovery_on_cuda_is_bit_exact_and_frees_the_ring(stock):
 @pytest.mark.gpu
 def test_first_call_measures_the_activation_peak_for_the_next_plan(stock, caplog):
     model = patched(stock, 0)
+    model.swap_state.measured.clear()   # the module's earlier tests ran this model at the same shape
     with caplog.at_level(logging.INFO, logger="ringswap"):
         ksample(model)
         ksample(model)
