@@ -270,7 +270,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     def cleanup(self, *args, **kwargs):
         stats = self.swap_engine.end_run()
         run_plan.record_run(self, stats)
-        if stats is not None and stats.streamed:
+        if stats is not None:
             _publish(stats, self.__dict__.get("_ringswap_plan"))
         return super().cleanup(*args, **kwargs)
 

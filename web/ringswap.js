@@ -9,6 +9,7 @@ const RINGSWAP_NODES = new Set(["RingSwapPatch", "RingSwapModelLoader"]);
 function summary(detail) {
   const hidden = detail.copy_ms > 0 ? Math.round((100 * detail.hidden_ms) / detail.copy_ms) : 100;
   const plan = detail.plan ? `window ${detail.plan.window}/${detail.plan.num_blocks} · ` : "";
+  if (!detail.streamed) return `${plan}all blocks resident`;
   return `${plan}${detail.streamed} streamed · ${detail.gbps.toFixed(1)} GB/s · ${hidden}% hidden · waited ${Math.round(detail.wait_ms)} ms`;
 }
 
