@@ -17,67 +17,18 @@ import torch
 from torch import nn
 
 from . import home
-from .call_order import CallOrder
 from .hooks import BlockHooks
 from .host_pool import HostPool, empty_bytes
-from .layout import BlockBinding, BlockLayout
+from .layout import BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .slot_ring import Slot, SlotRing
+from .state import Attachment, BlockState
 from .stats import RunStats
-from .transfer import CopyStream
 
 log = logging.getLogger("ringswap.engine")
 
 PIN_MODES = ("auto", "on", "off")
-
-
-class BlockState:
-    """One block: its layout, the attributes to rebind, and where its weights are."""
-
-    def __init__(self, index: int, block: nn.Module, layout: BlockLayout):
-        self.index = index
-        self.block = block
-        self.layout = layout
-        self.binding = BlockBinding(block, layout)
-        self.device_buffer: torch.Tensor | None = None   # resident blocks only
-        self.slot: Slot | None = None                     # streamed block while it runs
-        self._stand_ins: tuple | None = None              # (device, joined empty tensors)
-
-    def unbind(self, device: torch.device | None = None) -> None:
-        """Point the block at empty stand-ins on `device` (default: the last one used); they
-        are made and joined once per device, as a block of the ring is unbound every step."""
-        if device is not None and (self._stand_ins is None or self._stand_ins[0] != device):
-            self._stand_ins = (device, self.layout.joined(self.layout.placeholders(device)))
-        self.binding.bind_joined(self._stand_ins[1])
-
-
-class _Attachment:
-    """Everything that exists only while the engine is attached to a device."""
-
-    def __init__(self, device: torch.device, plan: ResidencyPlan, memory: str, pin_memory: str,
-                 owner: object, on_land: Callable | None, learned: tuple[int, ...] | None):
-        self.owner = owner          # opaque token of whoever attached (e.g. a weakref)
-        self.on_land = on_land
-        self.device = device
-        self.plan = plan
-        self.memory = memory
-        self.pin_memory = pin_memory
-        self.copier = CopyStream(device)
-        self.ring: SlotRing | None = None
-        self.readahead: ReadAhead | None = None
-        self.hooks: BlockHooks | None = None
-        self.order = CallOrder(plan.streamed, learned)
-        self.stats = self.new_stats()
-
-    def new_stats(self) -> RunStats:
-        p = self.plan
-        return RunStats(p.num_blocks, len(p.resident), len(p.streamed), p.ring_slots,
-                        p.window, p.prefetch, self.memory)
-
-    def upcoming(self) -> list[int]:
-        """Streamed blocks in call order after the last one called (wrapping)."""
-        return self.order.upcoming()
 
 
 HOMES = ("ram", "disk")
@@ -106,7 +57,7 @@ class BlockSwapEngine:
             layout = layouts.setdefault(layout, layout)
             self.states.append(BlockState(i, block, layout))
         self.pool = HostPool()
-        self.att: _Attachment | None = None
+        self.att: Attachment | None = None
         self.link_bytes_per_s = 0.0   # last measured host-to-device copy rate
         self.faults = None            # test hook: .check(call, block) may raise (see recovery.FaultInjector)
         self.orders: dict[tuple[int, ...], tuple[int, ...]] = {}   # streamed blocks -> their learned call order
@@ -180,7 +131,7 @@ class BlockSwapEngine:
             self.detach()
         self._ensure_home()
         memory = self._choose_memory(device, plan, pin_memory)
-        att = _Attachment(device, plan, memory, pin_memory, owner, on_land, self.orders.get(plan.streamed))
+        att = Attachment(device, plan, memory, pin_memory, owner, on_land, self.orders.get(plan.streamed))
         try:
             if self.home == "disk":
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),

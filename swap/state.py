@@ -1,0 +1,70 @@
+"""The engine's state: one small object per block, and one per attachment to a device.
+
+A BlockState says where its block's weights are (home, resident buffer or ring slot); an
+Attachment holds everything that exists only while the engine is attached: the plan, the
+copy stream, the ring, the disk read-ahead, the hooks, the learned call order and the
+run's stats.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .call_order import CallOrder
+from .hooks import BlockHooks
+from .layout import BlockBinding, BlockLayout
+from .plan import ResidencyPlan
+from .read_ahead import ReadAhead
+from .slot_ring import Slot, SlotRing
+from .stats import RunStats
+from .transfer import CopyStream
+
+
+class BlockState:
+    """One block: its layout, the attributes to rebind, and where its weights are."""
+
+    def __init__(self, index: int, block: nn.Module, layout: BlockLayout):
+        self.index = index
+        self.block = block
+        self.layout = layout
+        self.binding = BlockBinding(block, layout)
+        self.device_buffer: torch.Tensor | None = None   # resident blocks only
+        self.slot: Slot | None = None                     # streamed block while it runs
+        self._stand_ins: tuple | None = None              # (device, joined empty tensors)
+
+    def unbind(self, device: torch.device | None = None) -> None:
+        """Point the block at empty stand-ins on `device` (default: the last one used); they
+        are made and joined once per device, as a block of the ring is unbound every step."""
+        if device is not None and (self._stand_ins is None or self._stand_ins[0] != device):
+            self._stand_ins = (device, self.layout.joined(self.layout.placeholders(device)))
+        self.binding.bind_joined(self._stand_ins[1])
+
+
+class Attachment:
+    """Everything that exists only while the engine is attached to a device."""
+
+    def __init__(self, device: torch.device, plan: ResidencyPlan, memory: str, pin_memory: str,
+                 owner: object, on_land: Callable | None, learned: tuple[int, ...] | None):
+        self.owner = owner          # opaque token of whoever attached (e.g. a weakref)
+        self.on_land = on_land
+        self.device = device
+        self.plan = plan
+        self.memory = memory
+        self.pin_memory = pin_memory
+        self.copier = CopyStream(device)
+        self.ring: SlotRing | None = None
+        self.readahead: ReadAhead | None = None
+        self.hooks: BlockHooks | None = None
+        self.order = CallOrder(plan.streamed, learned)
+        self.stats = self.new_stats()
+
+    def new_stats(self) -> RunStats:
+        p = self.plan
+        return RunStats(p.num_blocks, len(p.resident), len(p.streamed), p.ring_slots,
+                        p.window, p.prefetch, self.memory)
+
+    def upcoming(self) -> list[int]:
+        """Streamed blocks in call order after the last one called (wrapping)."""
+        return self.order.upcoming()
