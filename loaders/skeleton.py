@@ -118,8 +118,11 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
 
 
 def _check_blocks_complete(sd: dict, list_names: tuple[str, ...], path: str) -> None:
-    """Every block of a list must have the same tensors (ComfyUI's detection reads block 0
-    and would fail with a bare KeyError; a gap elsewhere would load garbage)."""
+    """Block 0 of every list must have each tensor that all the list's other blocks have:
+    ComfyUI's detection reads block 0 and would fail with a bare KeyError. (Blocks may
+    differ otherwise: VACE's first vace block alone has `before_proj`, SD3's last joint
+    block has fewer; a tensor missing from any other block is named by BlockSource, which
+    checks every block against its module.)"""
     blocks: dict[tuple[str, int], set[str]] = {}
     for key in sd:
         head, _, rest = key.partition(".")
@@ -127,16 +130,14 @@ def _check_blocks_complete(sd: dict, list_names: tuple[str, ...], path: str) -> 
         if head in list_names and index.isdigit():
             blocks.setdefault((head, int(index)), set()).add(suffix)
     for name in list_names:
-        found = sorted(i for n, i in blocks if n == name)
-        if not found:
+        others = [suffixes for (n, i), suffixes in blocks.items() if n == name and i > 0]
+        if not others:
             continue
-        expected = set().union(*(blocks[(name, i)] for i in found))
-        for i in range(found[-1] + 1):
-            missing = sorted(expected - blocks.get((name, i), set()))
-            if missing:
-                raise ValueError(f"RingSwap: {path}: missing tensor '{name}.{i}.{missing[0]}'"
-                                 + (f" (and {len(missing) - 1} more in that block)" if len(missing) > 1 else "")
-                                 + f"; the other blocks have it")
+        missing = sorted(set.intersection(*others) - blocks.get((name, 0), set()))
+        if missing:
+            raise ValueError(f"RingSwap: {path}: missing tensor '{name}.0.{missing[0]}'"
+                             + (f" (and {len(missing) - 1} more in that block)" if len(missing) > 1 else "")
+                             + "; the other blocks have it")
 
 
 def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...]) -> list[str]:
