@@ -220,7 +220,7 @@ class BlockSwapEngine:
         if att.readahead is not None:
             slot.ready = None
             slot.loading = att.readahead.request(block, s.layout.nbytes) or True
-            self._pump(after=block)
+            self._pump(read_on=True)
             return
         src = self.pool.blocks[block].flat
         if slot.staging is not None:
@@ -254,14 +254,14 @@ class BlockSwapEngine:
         slot.loading = None
         att.stats.bytes_read += nbytes
 
-    def _pump(self, after: int | None = None) -> None:
-        """home=disk: land finished reads; with `after`, keep reads going for the
-        streamed blocks that follow it (as many as there are free staging buffers)."""
+    def _pump(self, read_on: bool = False) -> None:
+        """home=disk: land finished reads; with `read_on`, keep reads going for the streamed
+        blocks the call order says come next (as many as there are free staging buffers)."""
         att = self.att
         for slot in att.ring.slots:
             if slot.loading is not None:
                 self._land(slot, wait=False)
-        if after is None:
+        if not read_on:
             return
         owners = set(att.ring.owners())
         for b in att.upcoming()[:len(att.readahead.staging)]:
