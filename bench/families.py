@@ -116,6 +116,7 @@ def sample(model, noise, cond, steps: int, lines: Lines) -> dict:
                run=next((ln for ln in new if ln.startswith("RingSwap run:")), ""))
     if torch.cuda.is_available():
         row["vram_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        row["vram_reserved_peak_gb"] = torch.cuda.max_memory_reserved() / 1e9
     m = re.search(r"copied ([\d.]+) GB .*?; (\d+) model calls", row["run"])
     if m and row["s_per_step"]:
         row["gb_per_step"] = float(m.group(1)) / int(m.group(2))

@@ -2,7 +2,7 @@
 
 The retry runs the same inputs through the same weights, so its output equals a run at
 the smaller window from the start. The first call of a run also measures the activation
-peak on CUDA (it resets CUDA's peak-memory statistics). `FaultInjector` is the test hook
+peak on CUDA (`CallPeak`: it resets CUDA's peak-memory statistics). `FaultInjector` is the test hook
 that makes a chosen block of a chosen call fail as an allocation would.
 """
 from __future__ import annotations
@@ -36,6 +36,23 @@ class FaultInjector:
             raise torch.OutOfMemoryError(f"injected allocation failure at block {block} of model call {call}")
 
 
+class CallPeak:
+    """Bytes one model call needs on a CUDA device beyond what it holds at the call's start:
+    what the caching allocator had to reserve (fragmentation included), not only what tensors
+    occupied. A plan sized on tensor bytes alone ran out of memory (bench/RESULTS.md, VACE-14B)."""
+
+    def __init__(self, device: torch.device):
+        torch.cuda.empty_cache()   # reserved == held at the start: its growth is this call's own
+        torch.cuda.reset_peak_memory_stats(device)
+        self.device = device
+        self.allocated = torch.cuda.memory_allocated(device)
+        self.reserved = torch.cuda.memory_reserved(device)
+
+    def bytes(self) -> int:
+        return max(0, torch.cuda.max_memory_allocated(self.device) - self.allocated,
+                   torch.cuda.max_memory_reserved(self.device) - self.reserved)
+
+
 def inject_oom(engine: BlockSwapEngine, call: int, block: int, times: int = 1) -> None:
     """Test hook: make `block` of model call `call` run out of memory `times` times."""
     if engine.faults is None:
@@ -65,13 +82,11 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
     engine.begin_call()
     cuda = att.device.type == "cuda"
     first = att.stats.calls == 1
-    if first and cuda:
-        torch.cuda.reset_peak_memory_stats(att.device)
-        base = torch.cuda.memory_allocated(att.device)
+    peak = CallPeak(att.device) if first and cuda else None
     try:
         out = call()
-        if first and cuda:
-            att.stats.activation_peak = max(0, torch.cuda.max_memory_allocated(att.device) - base)
+        if peak is not None:
+            att.stats.activation_peak = peak.bytes()
         engine.end_call()
         return out
     except torch.OutOfMemoryError as e:
@@ -99,13 +114,11 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
                 where, reason, target[0], target[1], engine.device_bytes() / GB, held / GB)
     engine.begin_call()
     engine.att.stats.calls -= 1   # the same call, retried
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(att.device)
-        base = torch.cuda.memory_allocated(att.device)
+    peak = CallPeak(att.device) if cuda else None
     try:
         out = call()
-        if cuda:
-            engine.att.stats.activation_peak = max(0, torch.cuda.max_memory_allocated(att.device) - base)
+        if peak is not None:
+            engine.att.stats.activation_peak = peak.bytes()
         engine.end_call()
         return out
     except torch.OutOfMemoryError as e:
