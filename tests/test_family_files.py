@@ -1,92 +1,99 @@
-"""Wan VACE and HunyuanVideo from files, as a user loads them: tiny files (width 128, the
-shapes ComfyUI's stock detection accepts) through the stock UNETLoader path as the
-reference, then RingSwap Patch at windows 1, 2 and all, prefetch 0-2, and the RingSwap
-Model Loader with home ram and disk: bit-identical outputs on two calls; VACE's vace blocks
-are streamed at window 1 and not counted as non-block weights.
+"""DiT families from files, as a user loads them: Wan VACE, HunyuanVideo, LTX-Video, Flux
+(where this ComfyUI's detection takes a tiny width), Wan 2.1 i2v and Wan 2.2 TI2V-5B.
+
+Tiny files (support/family_files.py: width 128, the shapes ComfyUI's stock detection accepts)
+go through the stock UNETLoader path as the reference, and detection must build the intended
+classes; then RingSwap Patch at windows 1, 2 and all, prefetch 0-2, and the RingSwap Model
+Loader with home ram and disk: bit-identical outputs on two calls; VACE's vace blocks are
+streamed at window 1 and no block list is counted as non-block weights.
 """
-import dataclasses
 import os
 
 import pytest
 import torch
 
 import comfy.model_management
-from safetensors.torch import save_file
 
 from ringswap.loaders.model_loader import load_swapped_model
 from ringswap.loaders.swap_patcher import SwapSettings
 from ringswap.nodes.patch import RingSwapPatch
+from support import family_files as ffs
 from support import family_models as fm
 from wan_model import load_stock
 
-BASE = fm.BY_NAME["wan_vace"]
+SEEDS = (1, 2)   # two consecutive calls, on different inputs
 
 
-def _vace_inputs(g):
-    x, sigma, _, extra = fm._vace_inputs(g)
-    return x, sigma, torch.randn(1, 8, 4096, generator=g), extra   # Wan's detection: 4096-wide text
+@pytest.fixture(scope="module", autouse=True)
+def _fast_and_quiet(fast_and_quiet):
+    yield
 
 
-def _hunyuan_inputs(g):
-    x, sigma, ctx, extra = fm._hunyuan_inputs(g)
-    return x, sigma, ctx, dict(extra, y=torch.randn(1, 768, generator=g))   # its detection: 768-wide vector
+def assert_detected(ff, model):
+    """ComfyUI built the intended config, BaseModel and diffusion model classes."""
+    family = ff.family
+    got = (type(model.model.model_config).__name__, type(model.model).__name__,
+           type(model.model.diffusion_model).__name__)
+    assert got == (family.config, ff.model_class, family.dm_class), f"{ff.name}: detection built {got}"
+    for path, want in ff.attrs.items():
+        assert ffs.attr(model.model, path) == want, f"{ff.name}: {path} is {ffs.attr(model.model, path)!r}"
 
 
-VACE = dataclasses.replace(BASE, unet_config=dict(BASE.unet_config, dim=128, ffn_dim=256, num_heads=1,
-                                                  text_dim=4096), make_inputs=_vace_inputs)
-HUNYUAN = dataclasses.replace(fm.BY_NAME["hunyuan_video"], make_inputs=_hunyuan_inputs, unet_config=dict(
-    fm.BY_NAME["hunyuan_video"].unet_config, hidden_size=128, num_heads=1, axes_dim=[16, 56, 56], vec_in_dim=768,
-    mlp_ratio=4.0))
-FILES = {"wan_vace": VACE, "hunyuan_video": HUNYUAN}
-
-
-@pytest.fixture(scope="module", params=sorted(FILES))
-def family_file(request, tmp_path_factory):
-    family = FILES[request.param]
-    if family.missing():
-        pytest.skip(family.missing())
-    model = fm.build(family)
-    path = os.path.join(tmp_path_factory.mktemp(family.name), f"tiny_{family.name}.safetensors")
-    save_file({k: v.contiguous() for k, v in model.model.diffusion_model.state_dict().items()}, path)
-    return family, path
-
-
-@pytest.fixture(scope="module")
-def reference(family_file):
-    family, path = family_file
+@pytest.fixture(scope="module", params=[ff.name for ff in ffs.FILES])
+def reference(request, tmp_path_factory):
+    ff = ffs.BY_NAME[request.param]
+    if ff.family.missing():
+        pytest.skip(ff.family.missing())
+    path = ffs.write(ff, os.path.join(tmp_path_factory.mktemp(ff.name), f"tiny_{ff.name}.safetensors"))
+    reason = ffs.unsupported(ff, path)
+    if reason:
+        pytest.skip(f"{ff.name}: {reason}")
     stock = load_stock(path)
-    assert type(stock.model.diffusion_model).__name__ == family.dm_class
-    outs = [fm.forward(stock, *family.inputs(seed=s)) for s in (1, 2)]
+    assert_detected(ff, stock)
+    outs = [fm.forward(stock, *ff.family.inputs(seed=s)) for s in SEEDS]
     comfy.model_management.unload_all_models()
-    return family, path, stock, outs
+    for out in outs:
+        assert torch.isfinite(out).all() and out.abs().max() > 0
+    assert not torch.equal(outs[0], outs[1])
+    return ff, path, stock, outs
 
 
-def check(family, model, outs):
-    for seed, want in zip((1, 2), outs):
-        assert torch.equal(fm.forward(model, *family.inputs(seed=seed)), want)
+def check(ff, model, outs, what):
+    for seed, want in zip(SEEDS, outs):
+        got = fm.forward(model, *ff.family.inputs(seed=seed))
+        assert torch.equal(got, want), (f"{ff.name} {what}: seed {seed} differs from the stock loader "
+                                        f"(max abs diff {(got - want).abs().max().item():.3g})")
 
 
 @pytest.mark.parametrize("window", [1, 2, 99])
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_patch_on_the_stock_model(reference, window, prefetch):
-    family, _, stock, outs = reference
+    ff, _, stock, outs = reference
     (model,) = RingSwapPatch().patch(stock, window, prefetch, "auto")
-    check(family, model, outs)
+    check(ff, model, outs, f"Patch window {window} prefetch {prefetch}")
+    plan, n = model.swap_engine.plan, model.swap_engine.num_blocks
     if window == 1:
-        assert len(model.swap_engine.plan.streamed) == model.swap_engine.num_blocks
+        assert tuple(plan.streamed) == tuple(range(n)), "at window 1 every block of every list streams"
+    elif window + prefetch < n:
+        assert len(plan.streamed) == n - window + 1
+    else:
+        assert tuple(plan.streamed) == ()
     comfy.model_management.unload_all_models()
+    assert model.swap_engine.att is None
 
 
 @pytest.mark.parametrize("home", ["ram", "disk"])
 def test_model_loader_on_the_file(reference, home):
-    family, path, _, outs = reference
+    ff, path, _, outs = reference
     for window in (1, 2):
         model = load_swapped_model(path, SwapSettings(window, 1), home=home, disk_workers=2)
-        check(family, model, outs)
+        assert_detected(ff, model)
+        check(ff, model, outs, f"Model Loader home {home} window {window}")
         state = model.swap_state
-        assert state.list_names == list(family.lists)
+        assert state.list_names == list(ff.family.lists)
         dm = model.model.diffusion_model
-        listed = sum(t.numel() * t.element_size() for n in family.lists for t in getattr(dm, n).state_dict().values())
-        total = sum(t.numel() * t.element_size() for t in dm.state_dict().values())
-        assert state.nonblock_bytes <= total - listed
+        listed = sum(fm.block_bytes(getattr(dm, n)) for n in ff.family.lists)
+        assert state.nonblock_bytes <= fm.block_bytes(dm) - listed
+        if window == 1:
+            assert len(model.swap_engine.plan.streamed) == model.swap_engine.num_blocks
         comfy.model_management.unload_all_models()

@@ -186,24 +186,27 @@ def _norm_weights(module: torch.nn.Module) -> set[int]:
     return out
 
 
-def build(family: Family, seed: int = 0) -> comfy.model_patcher.ModelPatcher:
-    """A plain ModelPatcher around a seeded random tiny `family` model, float32."""
+def build(family: Family, seed: int = 0, dtype: torch.dtype = torch.float32,
+          init_device="cpu") -> comfy.model_patcher.ModelPatcher:
+    """A plain ModelPatcher around a seeded random `family` model in `dtype`, on the CPU
+    (its offload device). The random values are drawn on `init_device` (a GPU draws the
+    billions of a real-width model in milliseconds; its values differ from the CPU's)."""
     reason = family.missing()
     if reason:
         raise RuntimeError(f"cannot build {family.name}: {reason}")
     load_device = comfy.model_management.get_torch_device()
     config = getattr(comfy.supported_models, family.config)(family.constructor_config())
-    features.set_inference_dtype(config, torch.float32, None, load_device)
+    features.set_inference_dtype(config, dtype, None, load_device)
     with features.static_construction():
         model = config.get_model({})
     dm = model.diffusion_model
     norms = _norm_weights(dm)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=init_device).manual_seed(seed)
     with torch.no_grad():
         for _, t in sorted(dm.state_dict(keep_vars=True).items()):
             if not t.is_floating_point():
                 continue
-            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32) * WEIGHT_STD
+            noise = torch.randn(t.shape, generator=gen, dtype=torch.float32, device=init_device) * WEIGHT_STD
             if id(t) in norms:
                 noise += 1.0
             t.copy_(noise.to(t.dtype))
