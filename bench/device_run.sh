@@ -12,6 +12,16 @@
 # stream-bf16 (stream.py, bf16, ~5 min). A call may run 10 minutes: pick parts that fit
 # (two suites at most). The -033 parts need .comfyui-0.33-device in carry. fold, kernels
 # stream-fp8 (stream.py, scaled fp8 only, 32,760 tokens, ~3.5 min) and stream-* run on the ComfyUI that RINGSWAP_COMFY names (default 0.3.75).
+# compare-* (bench/compare.py, each cell in its own process on its own ComfyUI; need
+# .comfyui-0.33-device in carry): compare-base (floor + ComfyUI resident, bf16, ~5 min),
+# compare-24-peers / compare-24-rs / compare-12-peers / compare-12-rs (ComfyUI, diffusers /
+# RingSwap at that cap, ~6 min each), compare-disk (home disk at 24 and 12, ~8 min),
+# compare-fp8-base (~4 min), compare-fp8-24 (~8 min); a cell that does not fit is listed
+# "not run (budget)". Join the parts' JSON here: python3 bench/compare.py --merge A B ...
+# compare-smoke (floor, ComfyUI 0.33 dynamic, diffusers, RingSwap Patch on 0.33 at 24 GiB, 7,800 tokens).
+# gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~4 min).
+# families / families-033-dyn (bench/families.py: Qwen-Image 12 GiB + VACE-14B 16 GiB, ~5 min),
+# vace-033-dyn (VACE-14B only, ~2.5 min).
 set -u
 OUT="${OUT:-$(pwd)/out/device}"
 mkdir -p "$OUT"
@@ -31,6 +41,11 @@ part() {   # part NAME SECONDS COMFY DYN COMMAND...   (COMFY: 0.3.75 or 0.33; DY
   summary+=("$name: rc=$rc in $((SECONDS - t0)) s$([ $rc = 97 ] && echo ' (setup failed, see its log)')")
 }
 pytest=(python3 -m pytest -q -p no:cacheprovider tests)
+compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s inside the part's limit
+  local name=$1 secs=$2; shift 2
+  part "compare_$name" "$secs" 0.3.75 "" python3 bench/compare.py --budget-s $((secs - 25)) \
+    --json "$OUT/compare_$name.json" --md "$OUT/compare_$name.md" "$@"
+}
 bench_comfy="${RINGSWAP_COMFY:-0.3.75}"
 for p in "$@"; do
   case $p in
@@ -53,7 +68,23 @@ for p in "$@"; do
                   --odirect-gb 0 --budget-s 210 --json "$OUT/stream_fp8.json" ;;
     stream-bf16) part stream_bf16 420 "$bench_comfy" "" python3 bench/stream.py --formats bf16 --odirect-gb 0 \
                    --budget-s 390 --json "$OUT/stream_bf16.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16)"; exit 2 ;;
+    compare-base) compare base 330 --groups base ;;
+    compare-24-peers) compare 24_peers 420 --groups peers --caps 24 ;;
+    compare-24-rs) compare 24_rs 420 --groups ringswap --caps 24 ;;
+    compare-12-peers) compare 12_peers 420 --groups peers --caps 12 ;;
+    compare-12-rs) compare 12_rs 420 --groups ringswap --caps 12 ;;
+    compare-disk) compare disk 480 --groups disk --caps 24 12 ;;
+    compare-fp8-base) compare fp8_base 300 --formats scaled_fp8 --groups base ;;
+    compare-fp8-24) compare fp8_24 540 --formats scaled_fp8 --groups peers ringswap --caps 24 ;;
+    families) part families 330 0.3.75 0 python3 bench/families.py --json "$OUT/families_075.json" ;;
+    families-033-dyn) part families_033_dyn 330 0.33 1 python3 bench/families.py --json "$OUT/families_033dyn.json" ;;
+    vace-033-dyn) part vace_033_dyn 200 0.33 1 python3 bench/families.py --families wan_vace_14b \
+                    --json "$OUT/vace_033dyn.json" ;;
+    compare-smoke) compare smoke 330 --configs floor comfy-0.33-dyn diffusers rs-patch-0.33-dyn --caps 24 \
+                     --tokens 7800 ;;
+    gap) part gap 300 0.3.75 0 python3 bench/gap_profile.py --json "$OUT/gap.json" ;;
+    gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-smoke families families-033-dyn vace-033-dyn gap gap-033)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do

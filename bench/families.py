@@ -29,7 +29,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import stream  # noqa: E402  (ComfyUI and tests/support on sys.path, ballast, link rate)
+import common  # noqa: E402  (ComfyUI and tests/support on sys.path, ballast)
+from io_rates import h2d_rate  # noqa: E402
 
 # name -> (family in tests/support/family_models.py, real unet_config changes, tiny ones, tokens, cap GiB, target)
 SHAPES = {
@@ -87,7 +88,7 @@ def conditioning(name: str, tokens: int, small: bool, ctx_len: int):
         side = 2 * int(tokens ** 0.5)                                 # patch 2: (2s)x(2s) latents
         noise = torch.randn(1, 16, 1, side, side, generator=g)
         return noise, [[torch.randn(1, ctx_len, 48 if small else 3584, generator=g), {}]]
-    f, h, w = stream.latent_shape(tokens)
+    f, h, w = common.latent_shape(tokens)
     noise = torch.randn(1, 16, f, h, w, generator=g)
     vace = {"vace_frames": [torch.randn(1, 32, f, h, w, generator=g)],
             "vace_mask": [torch.ones(1, 64, f, h, w)], "vace_strength": [1.0]}
@@ -130,8 +131,8 @@ def sample(model, noise, cond, steps: int, lines: Lines) -> dict:
 
 def start_ballast(cap: float):
     torch.cuda.empty_cache()
-    p = subprocess.Popen([sys.executable, "-c", stream.BALLAST, str(cap)], stdout=subprocess.PIPE, text=True)
-    stream.say(f"[families] cap {cap} GiB, ballast: {p.stdout.readline().strip()}")
+    p = subprocess.Popen([sys.executable, "-c", common.BALLAST, str(cap)], stdout=subprocess.PIPE, text=True)
+    common.say(f"[families] cap {cap} GiB, ballast: {p.stdout.readline().strip()}")
     return p
 
 
@@ -156,13 +157,13 @@ def child(a) -> dict:
     stock, nbytes = build(a.family, a.small, dev)
     out = {"family": a.family, "tokens": tokens, "cap_gib": cap, "target": target, "dynamic_vram": dyn,
            "model_gb": nbytes / 1e9, "build_s": time.perf_counter() - t0}
-    stream.say(f"[families] built {a.family}: {nbytes / 1e9:.1f} GB in {out['build_s']:.0f} s")
+    common.say(f"[families] built {a.family}: {nbytes / 1e9:.1f} GB in {out['build_s']:.0f} s")
     noise, cond = conditioning(a.family, tokens, a.small, a.ctx_len)
     out["resident"] = sample(stock, noise, cond, a.steps, lines)
-    stream.say(f"[families] resident: {out['resident']}")
+    common.say(f"[families] resident: {out['resident']}")
     ballast = start_ballast(cap) if dev.type == "cuda" else None
     try:
-        out["link"] = stream.h2d_rate(dev, (1 << 30) if dev.type == "cuda" else 1 << 20)
+        out["link"] = h2d_rate(dev, (1 << 30) if dev.type == "cuda" else 1 << 20)
         out["ringswap"] = []
         for prefetch in a.prefetch:
             t0 = time.perf_counter()
@@ -171,7 +172,7 @@ def child(a) -> dict:
                                                                                       lines)}
             del model
             out["ringswap"].append(row)
-            stream.say(f"[families] ringswap prefetch {prefetch}: {row}")
+            common.say(f"[families] ringswap prefetch {prefetch}: {row}")
     finally:
         if ballast is not None:
             ballast.kill()
@@ -199,15 +200,15 @@ def table(results: list[dict]) -> str:
             rows.append(f"| {r['family']} | failed (rc {r.get('rc')}) | | | | | | | |")
             continue
         v = verdict(r)
-        cells = "; ".join(f"{x['prefetch']}: {x.get('window')}, {stream.fmt_num(x.get('s_per_step'), '.3f')}, "
-                          f"{stream.fmt_num(x.get('gb_per_step'), '.1f')}" + (" OOM" if "error" in x else "")
+        cells = "; ".join(f"{x['prefetch']}: {x.get('window')}, {common.fmt_num(x.get('s_per_step'), '.3f')}, "
+                          f"{common.fmt_num(x.get('gb_per_step'), '.1f')}" + (" OOM" if "error" in x else "")
                           for x in r["ringswap"])
-        share = (f"{stream.fmt_num((v['best'] or {}).get('gbps_per_step'), '.1f')} / "
-                 f"{r['link']['gbps']:.1f} = {stream.fmt_num(v['link_share'], '.3f')}")
+        share = (f"{common.fmt_num((v['best'] or {}).get('gbps_per_step'), '.1f')} / "
+                 f"{r['link']['gbps']:.1f} = {common.fmt_num(v['link_share'], '.3f')}")
         target = ">= 0.90 of link" if r["target"] == "link" else "<= 1.02 x resident"
         rows.append(f"| {r['family']} | {r['tokens']:,} | {r['cap_gib']:g} | "
-                    f"{stream.fmt_num(r['resident'].get('s_per_step'), '.3f')} | {cells} | "
-                    f"{stream.fmt_num(v['vs_resident'], '.3f')} | {share} | {target} | "
+                    f"{common.fmt_num(r['resident'].get('s_per_step'), '.3f')} | {cells} | "
+                    f"{common.fmt_num(v['vs_resident'], '.3f')} | {share} | {target} | "
                     f"{'yes' if v['pass'] else 'NO'} |")
     return "\n".join(rows)
 
@@ -254,7 +255,7 @@ def main() -> None:
         print(out, flush=True)
         if a.json:   # after every family: a part cut short by its time limit keeps what it measured
             with open(a.json, "w") as f:
-                json.dump({"env": stream.env_info(torch.device(a.device)), "results": results, "table": out}, f,
+                json.dump({"env": common.env_info(torch.device(a.device)), "results": results, "table": out}, f,
                           indent=1)
 
 

@@ -1,7 +1,7 @@
 """LoRA fold cost per Wan-14B block on the GPU ring, for bf16, fp8 and nvfp4 bases.
 
 Writes a short Wan-14B-width file (a few blocks, dim 5120, ffn 13824) per base format with
-bench/stream.py's writer, loads it with RingSwap (window 1: every block streams, so every
+bench/model_file.py's writer, loads it with RingSwap (window 1: every block streams, so every
 block is folded at every step), applies a random rank-64 LoRA on all ten block linears
 through ComfyUI's own LoRA loading, and runs steps at `--tokens` (default 32,760: 480p 81
 frames). Reports the fold's device time per block (the engine's timed on-land work)
@@ -21,7 +21,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import stream as S  # noqa: E402  (sets up ComfyUI on sys.path)
+import common  # noqa: E402  (sets up ComfyUI on sys.path)
+import model_file  # noqa: E402
 
 if not torch.cuda.is_available():   # CPU smoke test: tell ComfyUI before it looks for CUDA
     from comfy.cli_args import args
@@ -100,18 +101,18 @@ def main() -> None:
         kernels.TILES[kind] = tuple(int(x) for x in cfg.split(","))
     print(f"fused kernel tiles: {kernels.TILES}", flush=True)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    import quant_files as qf   # tests/support, on sys.path through stream.py
-    S._install_nvfp4_fallback(qf)
-    template = S.wan_template(a.blocks, a.dim, a.ffn)
+    import quant_files as qf   # tests/support, on sys.path through common.py
+    model_file.install_nvfp4_fallback(qf)
+    template = model_file.wan_template(a.blocks, a.dim, a.ffn)
     lora = rank_lora(a.blocks, a.dim, a.ffn, a.rank)
     rows = []
     for fmt in a.formats:
         path = os.path.join(a.dir, f"fold_{fmt}.safetensors")
-        S.write_model(path, fmt, SimpleNamespace(layers=a.blocks, dim=a.dim, ffn=a.ffn, seed=0), dev, qf,
+        model_file.write_model(path, fmt, SimpleNamespace(layers=a.blocks, dim=a.dim, ffn=a.ffn, seed=0), dev, qf,
                       template, 0)
         base = load_swapped_model(path, SwapSettings(1, 1, "auto"), home="ram", disk_workers=4)
-        dtype = S.compute_dtype(base, dev)
-        inputs = S.make_inputs(a.tokens, dev, dtype, 512, 0)
+        dtype = common.compute_dtype(base, dev)
+        inputs = common.make_inputs(a.tokens, dev, dtype, 512, 0)
         plain_s, _ = run(base, inputs, a.steps)
         mm.unload_all_models()
         patched = comfy.sd.load_lora_for_models(base, None, lora, 1.0, 0)[0]

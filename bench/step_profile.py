@@ -14,7 +14,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import stream as S  # noqa: E402  (sets up ComfyUI on sys.path)
+import common  # noqa: E402  (sets up ComfyUI on sys.path)
+import model_file  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -37,7 +38,7 @@ def sync() -> None:
 def measure(patcher, label: str, top: int = 22) -> None:
     mm.load_models_gpu([patcher])
     dm = patcher.model.diffusion_model
-    inputs = S.make_inputs(TOKENS, DEV, S.compute_dtype(patcher, DEV), CTX, 0)
+    inputs = common.make_inputs(TOKENS, DEV, common.compute_dtype(patcher, DEV), CTX, 0)
     enqueue, wall = [], []
     kernels = copies = 0.0
     with torch.no_grad():
@@ -67,12 +68,12 @@ def measure(patcher, label: str, top: int = 22) -> None:
 
 
 def main() -> None:
-    import quant_files as qf   # tests/support, on sys.path through stream.py
-    S._install_nvfp4_fallback(qf)
-    template = S.wan_template(LAYERS, DIM, FFN)
+    import quant_files as qf   # tests/support, on sys.path through common.py
+    model_file.install_nvfp4_fallback(qf)
+    template = model_file.wan_template(LAYERS, DIM, FFN)
     for fmt in sys.argv[1:] or ["nvfp4"]:
         path = os.path.join("/tmp", f"step_profile_{fmt}.safetensors")
-        S.write_model(path, fmt, SimpleNamespace(layers=LAYERS, dim=DIM, ffn=FFN, seed=0), DEV, qf, template, 0)
+        model_file.write_model(path, fmt, SimpleNamespace(layers=LAYERS, dim=DIM, ffn=FFN, seed=0), DEV, qf, template, 0)
         patcher = load_swapped_model(path, SwapSettings(4, 1, "auto"), home="ram", disk_workers=4)
         measure(patcher, f"{fmt} streamed (window 4)")
         measure(SwapModelPatcher.wrap(patcher, SwapSettings(LAYERS, 0, "auto")), f"{fmt} all resident")

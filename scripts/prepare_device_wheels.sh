@@ -13,6 +13,8 @@
 # without tests/, tests-unit/, blueprints/ and the tokenizer data comfy/text_encoders/
 # *_tokenizer/ (read only when such a text encoder is built; `import nodes`, `comfy.sd`
 # and the test suite need none of it).
+# diffusers comes for bench/compare.py's peer configuration (its dependencies are all
+# preinstalled there; on Python 3.12 it does not import importlib_metadata).
 # Not brought: torch/torchvision/torchaudio and anything preinstalled there; PyAV (`av`,
 # ~36 MB): device_setup.sh puts a stand-in `av` there instead (see bench/DEVICE.md).
 # PyOpenGL + comfy-angle (8.3 MB) are brought so that every stock node of 0.33 imports
@@ -57,6 +59,8 @@ PINS=(
   comfy-aimdo==0.4.13                              # 0.33: dynamic VRAM (abi3, manylinux_2_17)
   simpleeval==1.0.8 blake3==1.0.11                 # 0.33: hard imports at startup
   PyOpenGL==3.1.10 comfy-angle==0.1.1              # 0.33: its GLSL nodes import them (8.3 MB)
+  diffusers==0.42.1                                # bench/compare.py: group offloading (pure Python;
+                                                   # its other needs, accelerate included, are there)
 )
 [ "${RINGSWAP_WHEELS_AV:-0}" = 1 ] && PINS+=(av==18.1.0)
 

@@ -1,0 +1,214 @@
+"""RingSwap against ComfyUI's own offloading (0.3.75, 0.33 with and without dynamic VRAM)
+and diffusers' group offloading, side by side against the physical floor (issue 13).
+
+One Wan-2.1-14B-shaped file per format (ComfyUI's WanModel: 40 blocks, dim 5120, ffn
+13824; model_file.py's writer, random weights; bf16 and scaled fp8), written once per
+machine into --dir. Each cell (format x configuration x cap) runs in its own process
+(bench/compare_child.py) on the ComfyUI version the configuration names, behind a ballast
+process started before it that holds all but `cap` GiB of the GPU's free memory; the
+process measures every workload (--tokens, default 7,800 and 32,760) after one load.
+The disk cell also gets the disk's own O_DIRECT rate, measured right before it.
+
+Cells run in priority order (per format: the uncapped baselines, then each cap in --caps
+order, the disk cells last, since they drop the page cache); a cell whose estimated time
+does not fit the rest of --budget-s is listed as "not run (budget)". The table (markdown)
+and everything measured (JSON) are written after every cell; --merge joins the JSON of
+several runs (e.g. several device calls) into one table.
+
+    source scripts/device_setup.sh && python3 bench/compare.py --caps 24 --json $OUT/compare.json
+    python3 bench/compare.py --merge a/compare.json b/compare.json --json all.json   # here, no GPU
+Tiny CPU run of every configuration's code path (caps ignored; meaningless numbers):
+    RINGSWAP_COMFYUI_DIR=$PWD/.comfyui .venv/bin/python bench/compare.py --small
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
+from compare_child import CONFIGS, child  # noqa: E402
+from compare_table import table  # noqa: E402
+
+# (configuration, cap GiB or None = each of --caps); 0 = no cap
+GROUPS = {
+    "base": [("floor", 0), ("comfy-0.3.75", 0), ("comfy-0.33", 0)],
+    "peers": [("comfy-0.3.75", None), ("comfy-0.33-dyn", None), ("comfy-0.33", None), ("diffusers", None)],
+    "ringswap": [("rs-patch-0.3.75", None), ("rs-loader-0.3.75", None), ("rs-patch-0.33-dyn", None),
+                 ("rs-loader-0.33-dyn", None)],
+    "disk": [("rs-disk-0.3.75", None)],
+}
+# Rough seconds per cell on the H200 (bf16, both workloads, 5 steps each; process start,
+# load and the steps), replaced by the measured wall time of a cell of the same kind.
+EST_S = {"floor": 55, "comfy": 75, "diffusers": 110, "patch": 90, "loader": 90, "disk": 240}
+FORMAT_SCALE = {"bf16": 1.0, "scaled_fp8": 0.7, "fp32": 2.0}
+
+
+def plan_cells(a) -> list[dict]:
+    """The cells to run, in priority order, without repeats."""
+    if a.configs:
+        picked = [(n, 0 if n == "floor" else None) for n in a.configs]
+    else:
+        picked = [e for g in a.groups for e in GROUPS[g]]
+    fixed = [(n, c) for n, c in picked if c is not None]
+    per_cap = [n for n, c in picked if c is None and CONFIGS[n].kind != "disk"]
+    disk = [n for n, c in picked if c is None and CONFIGS[n].kind == "disk"]
+    cells, seen = [], set()
+    for fmt in a.formats:
+        order = fixed + [(n, cap) for cap in a.caps for n in per_cap] + [(n, cap) for cap in a.caps for n in disk]
+        for name, cap in order:
+            if (fmt, name, cap) not in seen:
+                seen.add((fmt, name, cap))
+                cells.append({"format": fmt, "config": name, "cap_gib": cap})
+    return cells
+
+
+def runtime(a) -> str:
+    """device: children source scripts/device_setup.sh; local: RINGSWAP_COMFYUI_DIR per version."""
+    if a.runtime != "auto":
+        return a.runtime
+    return "device" if os.path.exists("/tmp/site/.ringswap-stamp") and os.path.exists(
+        os.path.join(common.REPO, ".whl")) else "local"
+
+
+def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
+    """The command and environment of one cell's process, on its ComfyUI version."""
+    cfg = CONFIGS[cell["config"]]
+    # on the CPU a ballast holds nothing: RingSwap's cap is emulated by a window of 2 blocks
+    window = 2 if a.small and cell["cap_gib"] else a.window
+    opts = ["--child", cell["config"], "--path", path, "--window", str(window),
+            *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens"])]
+    env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
+    script = os.path.abspath(__file__)
+    if runtime(a) == "device":
+        setup = 'export RINGSWAP_COMFY="$1"; shift; source scripts/device_setup.sh >&2 && exec "$@"'
+        return ["bash", "-c", setup, "_", cfg.comfy, "python3", script, *opts], env
+    env["RINGSWAP_COMFYUI_DIR"] = a.comfy_033 if cfg.comfy == "0.33" else a.comfy_0375
+    return [sys.executable, script, *opts], env
+
+
+def estimate(cell: dict, measured: dict, a) -> float:
+    kind = CONFIGS[cell["config"]].kind
+    if (kind, cell["format"]) in measured:
+        return measured[(kind, cell["format"])]
+    return 20.0 if a.small else EST_S[kind] * FORMAT_SCALE.get(cell["format"], 1.0)
+
+
+def disk_rates(path: str, a) -> list[dict]:
+    """The disk's own O_DIRECT rate over --odirect-gb of the file, after a cache drop, with
+    one reader and with --workers readers."""
+    from io_rates import odirect_rate
+    return [odirect_rate(path, int(a.odirect_gb * 1e9), True, "auto", t) for t in sorted({1, a.workers})]
+
+
+def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
+    """One cell: ballast (cap) first, then its process; the result merged into `cell`."""
+    if CONFIGS[cell["config"]].kind == "disk":
+        cell["odirect"] = disk_rates(path, a)
+        common.say("[compare] O_DIRECT: " + ", ".join(f"{o['gbps']:.2f} GB/s ({o['mode']})" for o in cell["odirect"]))
+    cmd, env = child_command(a, cell, path)
+    t0 = time.perf_counter()
+    with common.Ballast(cell["cap_gib"] if a.device == "cuda" else 0, a.device) as ballast:
+        cell["ballast"] = ballast.line
+        timeout = max(10.0, min(a.cell_timeout_s, deadline - time.perf_counter()))
+        res = common.child_result(cmd, timeout, env, cwd=common.REPO)
+    cell.update({k: v for k, v in res.items() if k not in ("config",)})
+    cell["cell_wall_s"] = time.perf_counter() - t0
+    return cell
+
+
+def save(a, cells: list[dict], env: dict) -> str:
+    out = table(cells, small=a.small, link_gbps=env.get("h2d_gbps"))
+    common.write_json(a.json, {"env": env, "args": vars(a), "cells": cells, "table": out})
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(out + "\n")
+    return out
+
+
+def merge(a) -> None:
+    """Join the cells of several runs' JSON: a measured cell replaces one not run or failed."""
+    cells: dict[tuple, dict] = {}
+    env = {}
+    for p in a.merge:
+        with open(p) as f:
+            data = json.load(f)
+        env = data.get("env", env)
+        for c in data["cells"]:
+            key = (c["format"], c["config"], c["cap_gib"])
+            if key not in cells or "rows" in c or "rows" not in cells[key]:
+                cells[key] = c
+    print(save(a, list(cells.values()), env))
+
+
+def main() -> None:
+    ap = common.base_parser(__doc__, tuple(CONFIGS))
+    ap.add_argument("--formats", nargs="+", default=None, choices=["bf16", "scaled_fp8", "fp32"],
+                    help="default bf16 (--small: fp32, since 0.33's dynamic VRAM on a CPU runs bf16 weights uncast)")
+    ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="these instead of --groups")
+    ap.add_argument("--caps", type=float, nargs="+", default=None, help="GiB left free; 0 = no cap; default 24 12")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps after the first (reported apart)")
+    ap.add_argument("--disk-steps", type=int, default=1, help="the same for home=disk")
+    ap.add_argument("--workers", type=int, default=8, help="disk_workers of the disk cells")
+    ap.add_argument("--window", type=int, default=0, help="RingSwap's window (0: auto, the configuration measured)")
+    ap.add_argument("--odirect-gb", type=float, default=4.0, help="GB read for the O_DIRECT rate; 0 = all")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="wall budget of the whole run")
+    ap.add_argument("--cell-timeout-s", type=float, default=300.0)
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--merge", nargs="+", default=None, help="JSON of earlier runs: join, print, save; no runs")
+    ap.add_argument("--runtime", default="auto", choices=["auto", "device", "local"])
+    ap.add_argument("--comfy-0375", default=os.path.join(common.REPO, ".comfyui"), help="local runtime: ComfyUI 0.3.75")
+    ap.add_argument("--comfy-033", default=os.path.join(common.REPO, ".comfyui-0.33"), help="local runtime: 0.33")
+    ap.add_argument("--dry-run", action="store_true", help="list the cells and their estimates, then stop")
+    a = ap.parse_args()
+    if a.small:   # two workloads in one process, as on the GPU
+        a.ctx_len, a.tokens = 16, a.tokens or [64, 256]
+    a.formats = a.formats or (["fp32"] if a.small else ["bf16"])
+    a.caps = a.caps if a.caps is not None else ([24] if a.small else [24, 12])
+    if a.merge:
+        merge(a)
+        return
+    if common.start(a, child):
+        return
+    deadline = common.T0 + a.budget_s
+    cells = plan_cells(a)
+    measured: dict[tuple, float] = {}
+    env = common.env_info(torch.device(a.device))
+    if not a.dry_run:   # the pinned link's own rate, for the transfer-bound cells
+        from io_rates import h2d_rate
+        env["h2d_gbps"] = h2d_rate(torch.device(a.device), (64 if a.small else 1024) << 20)["gbps"]
+    common.say(f"compare.py: {len(cells)} cells, runtime {runtime(a)}, budget {a.budget_s:.0f} s; "
+               + ", ".join(f"{c['format']}/{c['config']}@{c['cap_gib']:g}" for c in cells))
+    if a.dry_run:
+        for c in cells:
+            print(f"{c['format']:>10} {c['config']:>20} cap {c['cap_gib']:>4g}: ~{estimate(c, measured, a):.0f} s")
+        return
+    from model_file import wan14b_file
+    paths = {}
+    for cell in cells:
+        fmt = cell["format"]
+        left = deadline - time.perf_counter()
+        est = estimate(cell, measured, a)
+        if fmt not in paths and left > est:
+            paths[fmt] = wan14b_file(a.dir, fmt, a.small, a.device, layers_small=4)
+            left = deadline - time.perf_counter()
+        if est > left or fmt not in paths:
+            cell["skipped"] = f"not run (budget): ~{est:.0f} s > {max(0.0, left):.0f} s left"
+            common.say(f"[compare] {fmt}/{cell['config']}@{cell['cap_gib']:g}: {cell['skipped']}")
+        else:
+            common.say(f"[compare] {fmt}/{cell['config']}@{cell['cap_gib']:g} (~{est:.0f} s)")
+            run_cell(a, cell, paths[fmt], deadline)
+            measured[(CONFIGS[cell["config"]].kind, fmt)] = cell["cell_wall_s"]
+            if "error" in cell:
+                common.say(f"[compare] FAILED (rc {cell.get('rc')}): {cell['error'][-1500:]}")
+        save(a, cells, env)
+    print(save(a, cells, env), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""One configuration of bench/compare.py, measured in its own process (behind the parent's
+ballast): start ComfyUI as the configuration says, load the model, then time every workload.
+
+Kinds of configuration:
+  floor      ComfyUI's WanModel alone, fully resident, called directly (no sampling path)
+  comfy      Load Diffusion Model + ComfyUI's sampling path: fully resident when nothing
+             caps the GPU, ComfyUI's own partial load / dynamic VRAM under a cap
+  diffusers  diffusers' apply_group_offloading(block_level, 1 block per group, a copy
+             stream) on the same WanModel module, called directly
+  patch      Load Diffusion Model -> RingSwap Patch (window --window, 0 = auto; prefetch 1)
+  loader     RingSwap Model Loader, home ram (the same window, prefetch 1)
+  disk       RingSwap Model Loader, home disk, page cache dropped before the load and
+             before every workload
+Per workload: the first step apart, the median of the rest; host RSS sampled (peak, and
+steady = after the workload's last step); device memory in use above what it was when the
+child started (sampled, sees allocations outside torch too), torch's own peak; pinned bytes.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+import common
+
+
+@dataclass(frozen=True)
+class Config:
+    kind: str          # floor, comfy, diffusers, patch, loader, disk
+    comfy: str         # ComfyUI version the process runs: 0.3.75 or 0.33
+    dynamic: bool      # 0.33's dynamic VRAM started as its main.py does
+    label: str
+
+
+CONFIGS = {
+    "floor": Config("floor", "0.3.75", False, "WanModel alone, resident (floor)"),
+    "comfy-0.3.75": Config("comfy", "0.3.75", False, "ComfyUI 0.3.75 (no cap: resident; cap: native partial load)"),
+    "comfy-0.33": Config("comfy", "0.33", False, "ComfyUI 0.33, dynamic VRAM disabled"),
+    "comfy-0.33-dyn": Config("comfy", "0.33", True, "ComfyUI 0.33 dynamic VRAM (its default)"),
+    "diffusers": Config("diffusers", "0.3.75", False, "diffusers group offloading (block, stream)"),
+    "rs-patch-0.3.75": Config("patch", "0.3.75", False, "RingSwap Patch, auto window, ComfyUI 0.3.75"),
+    "rs-loader-0.3.75": Config("loader", "0.3.75", False, "RingSwap Loader, home ram, ComfyUI 0.3.75"),
+    "rs-patch-0.33-dyn": Config("patch", "0.33", True, "RingSwap Patch, auto window, ComfyUI 0.33 dynamic"),
+    "rs-loader-0.33-dyn": Config("loader", "0.33", True, "RingSwap Loader, home ram, ComfyUI 0.33 dynamic"),
+    "rs-disk-0.3.75": Config("disk", "0.3.75", False, "RingSwap Loader, home disk (cold cache), 0.3.75"),
+}
+
+
+def start_comfy(cfg: Config, device: str):
+    """ComfyUI's modules, started as the configuration says; returns comfy.model_management."""
+    from comfy.cli_args import args
+    if device == "cpu":
+        args.cpu = True
+    if cfg.comfy == "0.33" and not cfg.dynamic and hasattr(args, "disable_dynamic_vram"):
+        args.disable_dynamic_vram = True   # what --disable-dynamic-vram sets
+    if cfg.dynamic:
+        import dynamic_vram   # tests/support: what ComfyUI 0.33's main.py does
+        dynamic_vram.init_library()
+    import comfy.model_management as mm
+    import comfy.sample  # noqa: F401  (imported before enable(), as main.py has them)
+    import comfy.sd  # noqa: F401
+    if cfg.dynamic:
+        dynamic_vram.enable()
+    return mm
+
+
+def build(cfg: Config, a, dev: torch.device):
+    """(the object to step, how to step it: "direct" or "sample", the ComfyUI patcher)."""
+    import comfy.sd
+    from ringswap.loaders.model_loader import load_swapped_model
+    from ringswap.loaders.swap_patcher import SwapSettings
+    if cfg.kind in ("loader", "disk"):
+        if cfg.kind == "disk":
+            from io_rates import drop_page_cache
+            drop_page_cache(a.path, "auto")
+        home = "disk" if cfg.kind == "disk" else "ram"
+        model = load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home, disk_workers=a.workers)
+        return model, "sample", model
+    stock = comfy.sd.load_diffusion_model(a.path)
+    if cfg.kind == "comfy":
+        return stock, "sample", stock
+    if cfg.kind == "patch":
+        from ringswap.nodes.patch import RingSwapPatch
+        (model,) = RingSwapPatch().patch(stock, a.window, 1, "auto")
+        return model, "sample", model
+    dm = stock.model.diffusion_model
+    if cfg.kind == "floor":
+        dm.to(dev)
+    else:
+        from diffusers.hooks import apply_group_offloading
+        # a copy stream needs CUDA; on the CPU (smoke runs) the same hooks without one
+        apply_group_offloading(dm, onload_device=dev, offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1,
+                               use_stream=dev.type == "cuda")
+    common.sync(dev)
+    return dm, "direct", stock
+
+
+def time_steps(obj, how: str, patcher, tokens: int, n: int, a, dev: torch.device) -> list[float]:
+    """`n` steps at `tokens`: ComfyUI's sampling path, or direct forwards of the module."""
+    if how == "sample":
+        return common.sample_steps(obj, tokens, n, a.ctx_len)
+    inputs = common.make_inputs(tokens, dev, common.compute_dtype(patcher, dev), a.ctx_len, 0)
+    return common.step_times(obj, inputs, n, dev)
+
+
+def keep_run_stats(patcher) -> list:
+    """RingSwap's per-run stats (bytes copied and read, copy rate) as its patcher closes each
+    sampling run; an empty list for other patchers."""
+    engine = getattr(patcher, "swap_engine", None)
+    runs: list = []
+    if engine is None:
+        return runs
+    end_run = engine.end_run
+
+    def keep():
+        st = end_run()
+        if st is not None:
+            runs.append(st)
+        return st
+
+    engine.end_run = keep
+    return runs
+
+
+def child(a) -> dict:
+    """Measure configuration `a.child` at every workload in `a.tokens`."""
+    cfg = CONFIGS[a.child]
+    mm = start_comfy(cfg, a.device)
+    dev = mm.get_torch_device()
+    vram0 = common.device_used_bytes()
+    rss0 = common.rss_bytes()
+    sampler = common.RssSampler(0.05, vram=True).start()
+    t0 = time.perf_counter()
+    obj, how, patcher = build(cfg, a, dev)
+    out = {"config": a.child, "kind": cfg.kind, "comfy": cfg.comfy, "dynamic_vram": cfg.dynamic,
+           "patcher": type(patcher).__name__, "load_s": time.perf_counter() - t0, "rss_base": rss0,
+           "rss_after_load": common.rss_bytes(), "file_bytes": os.path.getsize(a.path),
+           "env": common.env_info(dev), "rows": []}
+    steps = a.disk_steps if cfg.kind == "disk" else a.steps
+    runs = keep_run_stats(patcher)
+    for tokens in a.tokens:
+        if cfg.kind == "disk":
+            from io_rates import drop_page_cache
+            drop_page_cache(a.path, "auto")
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        sampler.vram_peak = common.device_used_bytes()
+        rss_peak_before, sampler.peak = sampler.peak, common.rss_bytes()
+        row = {"tokens": tokens}
+        try:
+            times = time_steps(obj, how, patcher, tokens, 1 + steps, a, dev)
+            row.update(first_step_s=times[0], steps=times, s_per_step=statistics.median(times[1:] or times))
+        except torch.OutOfMemoryError as e:
+            row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
+        row.update(rss_steady=common.rss_bytes(), rss_peak=sampler.peak, pinned=common.pinned_bytes(),
+                   vram_peak=None if vram0 is None else sampler.vram_peak - vram0,
+                   vram_torch_peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
+        sampler.peak = max(sampler.peak, rss_peak_before)
+        engine = getattr(patcher, "swap_engine", None)
+        if engine is not None and engine.plan is not None:
+            row["plan"] = engine.plan.describe()
+        if runs:
+            st = runs.pop()
+            runs.clear()
+            row.update(stats_line=st.line(), calls=st.calls, h2d_bytes_per_step=st.bytes_copied / max(1, st.calls),
+                       copy_gbps=st.gbps, read_bytes_per_step=st.bytes_read / max(1, st.calls))
+        out["rows"].append(row)
+        common.say(f"[compare] {a.child} {tokens} tokens: {common.fmt_num(row.get('s_per_step'), '.3f')} s/step "
+                   f"{row.get('error', '')}")
+    out["rss_peak"] = sampler.stop()
+    if cfg.kind == "diffusers":
+        import diffusers
+        out["diffusers"] = diffusers.__version__
+    return out

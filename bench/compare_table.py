@@ -1,0 +1,81 @@
+"""bench/compare.py's one table: per cell and workload the median s/step, its ratio to the
+floor (WanModel alone, resident) and to ComfyUI-resident of the same ComfyUI version, and
+the first step, load time, peak VRAM, host RSS (peak / steady) and pinned bytes."""
+from __future__ import annotations
+
+from common import fmt_num, gb, md_table
+from compare_child import CONFIGS
+
+HEADERS = ["format", "cap GiB", "configuration", "tokens", "s/step", "x floor", "x ComfyUI resident",
+           "first step s", "load s", "peak VRAM GB (torch)", "host RSS peak / steady GB", "pinned GB", "note"]
+
+
+def _speeds(cells: list[dict]) -> dict:
+    """(format, config, cap, tokens) -> s/step of every measured row."""
+    out = {}
+    for c in cells:
+        for r in c.get("rows", []):
+            if r.get("s_per_step"):
+                out[(c["format"], c["config"], c["cap_gib"], r["tokens"])] = r["s_per_step"]
+    return out
+
+
+def _note(c: dict, r: dict, link_gbps: float | None) -> str:
+    bits = []
+    if r.get("plan"):
+        bits.append(r["plan"][:90])
+    s = r.get("s_per_step")
+    if r.get("h2d_bytes_per_step") and s:
+        rate = gb(r["h2d_bytes_per_step"]) / s
+        bits.append(f"host->GPU {rate:.1f} GB/s per step wall"
+                    + (f" ({100 * rate / link_gbps:.0f}% of pinned {link_gbps:.1f})" if link_gbps else "")
+                    + f", copy stream {r['copy_gbps']:.1f} GB/s")
+    if r.get("read_bytes_per_step") and s:
+        bits.append(f"disk read {gb(r['read_bytes_per_step']) / s:.2f} GB/s")
+    if c.get("odirect"):
+        bits.append("disk O_DIRECT " + " / ".join(f"{o['gbps']:.2f}" for o in c["odirect"])
+                    + f" GB/s (1 / {c['odirect'][-1]['threads']} readers)")
+    if r.get("error"):
+        bits.append(r["error"][:120])
+    return "; ".join(bits).replace("|", "/")
+
+
+def _of_file(r: dict, c: dict) -> str:
+    """Steady RSS above the process's start, as a multiple of the model file."""
+    if r.get("rss_steady") is None or not c.get("file_bytes"):
+        return ""
+    return f" ({(r['rss_steady'] - c.get('rss_base', 0)) / c['file_bytes']:.2f}x file)"
+
+
+def _gb(v) -> str:
+    return fmt_num(None if v is None else gb(v), ".1f")
+
+
+def table(cells: list[dict], small: bool = False, link_gbps: float | None = None) -> str:
+    """The markdown table of `cells` (compare.py's cell dicts, measured or not); `link_gbps`:
+    the pinned host->GPU rate measured in the same run."""
+    speeds = _speeds(cells)
+    rows = []
+    for c in cells:
+        cfg = CONFIGS[c["config"]]
+        cap = "none" if not c["cap_gib"] else f"{c['cap_gib']:g}" + (" (not on CPU)" if small else "")
+        head = [c["format"], cap, f"{c['config']}: {cfg.label}"]
+        if "rows" not in c:
+            why = c.get("skipped") or f"failed (rc {c.get('rc')}): " + (c.get("error") or "")[-160:].replace("\n", " ")
+            rows.append(head + ["—", why.replace("|", "/")] + [""] * (len(HEADERS) - 5))
+            continue
+        version = cfg.comfy
+        for r in c["rows"]:
+            s = r.get("s_per_step")
+            floor = speeds.get((c["format"], "floor", 0, r["tokens"]))
+            resident = speeds.get((c["format"], f"comfy-{version}", 0, r["tokens"]))
+            pinned = (r.get("pinned") or {}).get("total")
+            vram = f"{_gb(r.get('vram_peak'))} ({_gb(r.get('vram_torch_peak'))})"
+            rows.append(head + [f"{r['tokens']:,}", fmt_num(s, ".3f"),
+                                fmt_num(s / floor if s and floor else None, ".3f"),
+                                fmt_num(s / resident if s and resident else None, ".3f"),
+                                fmt_num(r.get("first_step_s"), ".2f"), fmt_num(c.get("load_s"), ".1f"), vram,
+                                f"{_gb(r.get('rss_peak'))} / {_gb(r.get('rss_steady'))}" + _of_file(r, c),
+                                _gb(pinned),
+                                _note(c, r, link_gbps)])
+    return md_table(HEADERS, rows)
