@@ -5,7 +5,8 @@ number), so a newer ComfyUI that keeps an interface keeps working. Covered: the 
 checkpoint conversion and per-layer quant config (0.33: `convert_old_quants`,
 `quant_config`; 0.3.75: `layer_quant_config`), dynamic VRAM (`is_dynamic`,
 `cached_patcher_init`, `clone(model_override=)`, `aimdo_enabled` lazy ops) and ComfyUI's
-pin budget (`MAX_PINNED_MEMORY`, `PINNED_MEMORY`, `ensure_pin_registerable`).
+pin budget (`MAX_PINNED_MEMORY`, `PINNED_MEMORY`, `ensure_pin_registerable`), and the
+server's websocket clients (`PromptServer.instance.sockets`, `send_sync`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import contextlib
 import functools
 import inspect
 import os
+import sys
 from typing import Iterator
 
 import torch
@@ -225,3 +227,23 @@ def temporal_downscale(latent_format) -> int:
     causal video VAEs' 1 + 4k frames)."""
     ratio = getattr(latent_format, "temporal_downscale_ratio", None)
     return int(ratio) if ratio and ratio > 1 else 4
+
+
+# ----- the server and its websocket clients -------------------------------------------
+def prompt_server():
+    """ComfyUI's running PromptServer, or None (imported in-process, no server)."""
+    server = sys.modules.get("server")
+    return getattr(getattr(server, "PromptServer", None), "instance", None)
+
+
+def client_connected(sid: str) -> bool:
+    """Is the websocket client `sid` connected now (`PromptServer.instance.sockets`)?"""
+    sockets = getattr(prompt_server(), "sockets", None)
+    return isinstance(sockets, dict) and sid in sockets
+
+
+def send_to_client(event: str, data: dict, sid: str | None = None) -> None:
+    """Send a websocket message to client `sid` (None: every client), from any thread."""
+    instance = prompt_server()
+    if instance is not None:
+        instance.send_sync(event, data, sid)

@@ -25,7 +25,7 @@ import comfy.model_patcher
 from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ..swap.host_pool import set_pin_budget
 from . import comfy_features as features
-from . import run_plan
+from . import live_feed, run_plan
 from .block_lists import ALL_NAMES, find_block_lists
 
 log = logging.getLogger("ringswap.patcher")
@@ -107,15 +107,17 @@ def _warn_unlisted(diffusion_model: nn.Module, listed: list[str]) -> None:
 class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     ringswap: SwapSettings | None = None   # set by wrap(); None only inside wrap's clone call
     ringswap_base: comfy.model_patcher.ModelPatcher | None = None   # wrap's `onto`, kept alive (its cache is weak)
+    ringswap_node: str | None = None   # id of the RingSwap node that made this MODEL (for the browser)
 
     @classmethod
     def wrap(cls, model: comfy.model_patcher.ModelPatcher, settings: SwapSettings,
-             onto: comfy.model_patcher.ModelPatcher | None = None) -> "SwapModelPatcher":
+             onto: comfy.model_patcher.ModelPatcher | None = None, node: str | None = None) -> "SwapModelPatcher":
         """A clone of `model` (any ModelPatcher class) that block-swaps with `settings`;
         with `onto` (RingSwap's own load of the same file), a clone whose model is onto's,
         keeping `model`'s patches, options and wrappers. The source's class is swapped only
         for the clone call, as ComfyUI-GGUF does, so the clone is built as a plain
-        SwapModelPatcher (never a dynamic-VRAM patcher)."""
+        SwapModelPatcher (never a dynamic-VRAM patcher). `node`: the RingSwap node's id, for
+        the browser's live view."""
         if getattr(model, "model", None) is None or getattr(model.model, "diffusion_model", None) is None:
             raise ValueError(f"RingSwap: expected a diffusion MODEL (a ComfyUI ModelPatcher with a "
                              f"diffusion_model), got {type(model).__name__}")
@@ -133,7 +135,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         state = SwapState.of(n)
         n.size = 0
         n.ringswap = settings
+        n.ringswap_node = node
         run_plan.install(n)
+        live_feed.install(n)
         # Our own weight state: ComfyUI then fully unloads whatever another patcher of
         # the same model left on the GPU before loading this one (partially_load).
         n.patches_uuid = uuid.uuid4()
@@ -152,7 +156,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def clone(self, *args, **kwargs):
         n = super().clone(*args, **kwargs)
-        n.ringswap, n.ringswap_base = self.ringswap, self.ringswap_base
+        n.ringswap, n.ringswap_base, n.ringswap_node = self.ringswap, self.ringswap_base, self.ringswap_node
         return n
 
     # ----- what ComfyUI loads itself: everything but the blocks --------------------------
@@ -181,6 +185,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         self.__dict__["_ringswap_plan"] = plan
         engine.attach(device, plan.window, plan.prefetch, self.ringswap.pin_memory,
                       owner=weakref.ref(self), on_land=self._block_folder(device))
+        live_feed.observe(engine, self.ringswap_node)
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:
@@ -270,21 +275,28 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     def cleanup(self, *args, **kwargs):
         stats = self.swap_engine.end_run()
         run_plan.record_run(self, stats)
+        feed = live_feed.feed_of(self.swap_engine)
         if stats is not None:
-            _publish(stats, self.__dict__.get("_ringswap_plan"))
+            _publish(stats, self.__dict__.get("_ringswap_plan"), self.ringswap_node,
+                     feed.finish() if feed is not None else (0.0, 0, 0))
         return super().cleanup(*args, **kwargs)
 
 
-def _publish(stats, plan) -> None:
-    """Send the run's summary to the browser (web/ringswap.js), when a server is running."""
-    server = sys.modules.get("server")
-    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
-    if instance is None:
+def _publish(stats, plan, node: str | None, run: tuple[float, int, int]) -> None:
+    """Log the run's steps and send its summary to the browser (web/ringswap.js), when a
+    server is running. `run`: (seconds since the first model call, steps, live messages sent)."""
+    wall_s, steps, live = run
+    s_per_step = wall_s / steps if steps else 0.0
+    if steps:
+        log.info("RingSwap steps: %d in %.2f s, %.3f s/step%s", steps, wall_s, s_per_step,
+                 f"; {live} live block maps sent to the browser" if live else "")
+    if features.prompt_server() is None:
         return
-    instance.send_sync("ringswap.run", {
-        "line": stats.line(), "blocks": stats.blocks, "streamed": stats.streamed, "window": stats.window,
-        "prefetch": stats.prefetch, "memory": stats.memory, "bytes_copied": stats.bytes_copied,
-        "gbps": stats.gbps, "copy_ms": stats.copy_s * 1e3, "hidden_ms": stats.hidden_s * 1e3,
-        "wait_ms": stats.wait_s * 1e3, "fold_ms_per_block": 1e3 * stats.fold_s_per_block,
-        "calls": stats.calls, "compute_s": stats.compute_s, "shrinks": stats.shrinks,
-        "plan": plan.as_dict() if plan is not None else None})
+    features.send_to_client("ringswap.run", {
+        "node": node, "line": stats.line(), "blocks": stats.blocks, "streamed": stats.streamed,
+        "window": stats.window, "prefetch": stats.prefetch, "memory": stats.memory,
+        "bytes_copied": stats.bytes_copied, "gbps": stats.gbps, "copy_ms": stats.copy_s * 1e3,
+        "hidden_ms": stats.hidden_s * 1e3, "wait_ms": stats.wait_s * 1e3,
+        "fold_ms_per_block": 1e3 * stats.fold_s_per_block, "calls": stats.calls, "compute_s": stats.compute_s,
+        "shrinks": stats.shrinks, "steps": steps, "wall_s": wall_s, "s_per_step": s_per_step,
+        "live_messages": live, "plan": plan.as_dict() if plan is not None else None})

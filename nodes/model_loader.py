@@ -36,11 +36,11 @@ class RingSwapModelLoader:
         }, "optional": {   # optional: API workflows saved before it existed keep validating
             "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
                                          "tooltip": BUDGET_TIP}),
-        }}
+        }, "hidden": {"unique_id": "UNIQUE_ID"}}
 
     def load(self, unet_name: str, window: int, prefetch: int, home: str, pin_memory: str, disk_workers: int,
-             vram_budget_gb: float = 0.0):
+             vram_budget_gb: float = 0.0, unique_id=None):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb)
         base = cached_swapped_base(path, home, disk_workers, progress=progress_bar())
-        return (SwapModelPatcher.wrap(base, settings),)
+        return (SwapModelPatcher.wrap(base, settings, node=None if unique_id is None else str(unique_id)),)

@@ -46,9 +46,10 @@ class RingSwapPatch:
         }, "optional": {   # optional: API workflows saved before it existed keep validating
             "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
                                          "tooltip": BUDGET_TIP}),
-        }}
+        }, "hidden": {"unique_id": "UNIQUE_ID"}}
 
-    def patch(self, model, window: int, prefetch: int, pin_memory: str, vram_budget_gb: float = 0.0):
+    def patch(self, model, window: int, prefetch: int, pin_memory: str, vram_budget_gb: float = 0.0, unique_id=None):
         settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb)
         # A MODEL built for dynamic VRAM is cloned onto RingSwap's own load of its file.
-        return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar())),)
+        return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar()),
+                                      node=None if unique_id is None else str(unique_id)),)

@@ -1,4 +1,5 @@
-"""GET /ringswap/plan: the plan a run would get, for the web extension.
+"""GET /ringswap/plan: the plan a run would get, for the web extension; POST /ringswap/live:
+a browser asks for live block maps during sampling (loaders/live_feed.py).
 
 Only a name from ComfyUI's own diffusion_models list is ever opened: anything else (a
 path, a name with `..`) is refused before a file is touched.
@@ -11,6 +12,7 @@ import sys
 import folder_paths
 from aiohttp import web
 
+from ..loaders import live_feed
 from ..loaders.plan_request import plan_for_file
 from ..swap.planner import NotEnoughVRAM
 
@@ -69,6 +71,18 @@ async def get_plan(request: web.Request) -> web.Response:
     return web.json_response({"model": name, "fits": True, **plan.as_dict()})
 
 
+async def post_live(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    client_id = body.get("client_id") if isinstance(body, dict) else None
+    if not isinstance(client_id, str) or not 0 < len(client_id) <= 128:
+        return web.json_response({"error": "'client_id' is required: the websocket client id"}, status=400)
+    live_feed.subscribe(client_id)
+    return web.json_response({"client_id": client_id, "max_per_s": live_feed.MAX_PER_S})
+
+
 def register_routes() -> bool:
     """Add the route to ComfyUI's server when one is running (not when imported in-process)."""
     server = sys.modules.get("server")
@@ -76,4 +90,5 @@ def register_routes() -> bool:
     if instance is None:
         return False
     instance.routes.get("/ringswap/plan")(get_plan)
+    instance.routes.post("/ringswap/live")(post_live)
     return True

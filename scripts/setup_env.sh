@@ -74,6 +74,24 @@ if [ ! -f "$COMFY033/main.py" ]; then
   fi
 fi
 
+# The frontends the two ComfyUIs pin (their requirements.txt), one folder each, for the
+# browser tests (--front-end-root), playwright, and Debian's Chromium to run them in.
+"$VENV/bin/python" -c "import playwright" 2>/dev/null || "$VENV/bin/python" -m pip -q install playwright
+for c in "$COMFY" "$COMFY033"; do
+  [ -f "$c/requirements.txt" ] || continue
+  fe="$(sed -n 's/^comfyui-frontend-package==//p' "$c/requirements.txt")"
+  if [ -n "$fe" ] && [ ! -f "$root/.frontend/$fe/comfyui_frontend_package/static/index.html" ]; then
+    echo "[setup] comfyui-frontend-package==$fe into .frontend/$fe"
+    "$VENV/bin/python" -m pip -q install --no-deps --target "$root/.frontend/$fe" "comfyui-frontend-package==$fe"
+  fi
+done
+if ! command -v chromium >/dev/null && [ ! -x /usr/bin/chromium ]; then
+  echo "[setup] installing Debian's chromium (browser tests)"
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq && $sudo apt-get install -y -qq chromium >/dev/null \
+    || echo "[setup] could not install chromium: the browser tests will fail in CI, skip elsewhere"
+fi
+
 for c in "$COMFY" "$COMFY033"; do
   [ -f "$c/main.py" ] || continue
   mkdir -p "$c/custom_nodes"

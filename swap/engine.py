@@ -61,6 +61,7 @@ class BlockSwapEngine:
         self.link_bytes_per_s = 0.0   # last measured host-to-device copy rate
         self.faults = None            # test hook: .check(call, block) may raise (see recovery.FaultInjector)
         self.orders: dict[tuple[int, ...], tuple[int, ...]] = {}   # streamed blocks -> their learned call order
+        self.observer: Callable[[], None] | None = None   # called before each streamed block and model call (keep it cheap)
         if read_block is not None:   # weights come from the reader: drop what the modules hold
             for st in self.states:
                 st.unbind(torch.device("cpu"))
@@ -291,6 +292,8 @@ class BlockSwapEngine:
         slot.landed = True
         s.binding.bind(views)   # joined afresh: ComfyUI's quantized tensors keep state from their last use
         att.stats.forwards += 1
+        if self.observer is not None:
+            self.observer()
 
     def _after_block(self, block: int) -> None:
         att = self.att
@@ -322,6 +325,8 @@ class BlockSwapEngine:
             att.stats.calls += 1
             att.copier.mark_call(start=True)
             att.order.start(learn=att.plan.streamed not in self.orders)
+            if self.observer is not None:
+                self.observer()
 
     def end_call(self) -> None:
         att = self.att

@@ -69,11 +69,12 @@ class ComfyServer:
     extra_custom_nodes: further custom node package folders to link in.
     demo_nodes: link tests/support/demo_nodes in (default True).
     start_timeout: seconds to wait for /object_info to answer.
+    front_end_root: a frontend's static folder to serve (default: an empty one, no frontend).
     """
 
     def __init__(self, comfy_dir, models_dir_or_extra_paths=None, port=None, cpu=True,
                  extra_args=(), *, extra_custom_nodes=(), demo_nodes=True,
-                 start_timeout=90.0, env=None, keep_workdir=False):
+                 start_timeout=90.0, env=None, keep_workdir=False, front_end_root=None):
         self.comfy_dir = os.path.abspath(os.fspath(comfy_dir))
         if not os.path.isfile(os.path.join(self.comfy_dir, "main.py")):
             raise FileNotFoundError(f"no ComfyUI main.py in {self.comfy_dir}")
@@ -87,6 +88,7 @@ class ComfyServer:
         self.start_timeout = start_timeout
         self.env = env
         self.keep_workdir = keep_workdir
+        self.front_end_root = front_end_root
         self.proc = None
         self.workdir = None
         self.log_path = None
@@ -145,7 +147,7 @@ class ComfyServer:
         cmd = [sys.executable, "main.py",
                "--listen", "127.0.0.1", "--port", str(self.port),
                "--disable-auto-launch", "--disable-api-nodes",
-               "--front-end-root", os.path.join(wd, "frontend"),
+               "--front-end-root", self.front_end_root or os.path.join(wd, "frontend"),
                "--output-directory", os.path.join(wd, "output"),
                "--input-directory", os.path.join(wd, "input"),
                "--temp-directory", wd,  # ComfyUI appends "temp"

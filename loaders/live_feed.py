@@ -1,0 +1,125 @@
+"""Live block maps for the browser during sampling: throttled, and only for browsers that asked.
+
+The RingSwap web extension subscribes its websocket client id (POST /ringswap/live). The
+engine calls a LiveFeed before every streamed block and model call; until the throttle's
+next slot (at most MAX_PER_S messages a second, over all models) that costs one clock read
+and a compare, and with no subscribed browser connected nothing is built or sent, so a
+headless API client or a server without the frontend is never slowed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from ..swap import BlockSwapEngine
+from . import comfy_features as features
+from .live_payload import live_payload
+
+log = logging.getLogger("ringswap.live_feed")
+
+EVENT = "ringswap.live"
+MAX_PER_S = 10
+MAX_SUBSCRIBERS = 64
+
+_subscribers: dict[str, None] = {}   # client ids, oldest first
+_due = [0.0]                         # monotonic time of the next allowed message (shared by all feeds)
+
+Send = Callable[[str, dict, str], None]
+
+
+def subscribe(client_id: str) -> None:
+    """Send live messages to this websocket client while it is connected (kept across reconnects)."""
+    _subscribers.pop(client_id, None)
+    _subscribers[client_id] = None
+    while len(_subscribers) > MAX_SUBSCRIBERS:
+        _subscribers.pop(next(iter(_subscribers)))
+
+
+def connected_subscribers() -> list[str]:
+    return [sid for sid in list(_subscribers) if features.client_connected(sid)]
+
+
+class LiveFeed:
+    """The engine's observer for one loaded model: sends its block map to subscribed browsers.
+    `send` and `clients` default to ComfyUI's server (tests pass their own)."""
+
+    def __init__(self, engine: BlockSwapEngine, node: str | None, send: Send | None = None,
+                 clients: Callable[[], list[str]] | None = None):
+        self.engine = engine
+        self.node = node
+        self.send = send or features.send_to_client
+        self.clients = clients or connected_subscribers
+        self.sent = 0
+        self.step, self.steps = -1, 0
+        self.started: float | None = None
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now < _due[0]:
+            return
+        _due[0] = now + 1.0 / MAX_PER_S
+        if self.started is None:
+            self.started = now
+        sids = self.clients()
+        if not sids or self.engine.att is None:
+            return
+        payload = live_payload(self.engine, self.node, self.step, self.steps, now - self.started)
+        for sid in sids:
+            self.send(EVENT, payload, sid)
+        self.sent += 1
+
+    def on_call(self, sigma, sigmas) -> None:
+        """A model call at noise level `sigma` of the schedule `sigmas` (the sampler's steps).
+        The step is looked up only while a browser listens (it reads the device)."""
+        if self.started is None:
+            self.started = time.monotonic()
+        if sigmas is None:
+            return
+        self.steps = max(0, len(sigmas) - 1)
+        if sigma is not None and _subscribers and self.clients():
+            self.step = int((sigmas.to(sigma.device) - sigma.reshape(-1)[0]).abs().argmin())
+
+    def finish(self) -> tuple[float, int, int]:
+        """End of a run: (seconds since its first model call, steps, messages sent); resets."""
+        wall = time.monotonic() - self.started if self.started is not None else 0.0
+        out = (wall, self.steps, self.sent)
+        self.sent, self.step, self.steps, self.started = 0, -1, 0, None
+        return out
+
+
+def feed_of(engine: BlockSwapEngine) -> LiveFeed | None:
+    observer = engine.observer
+    return observer if isinstance(observer, LiveFeed) else None
+
+
+def observe(engine: BlockSwapEngine, node: str | None) -> LiveFeed:
+    """The engine's LiveFeed for `node`, installed once (a later load keeps its counters)."""
+    feed = feed_of(engine)
+    if feed is None:
+        feed = LiveFeed(engine, node)
+        engine.observer = feed
+    feed.node = node
+    return feed
+
+
+WRAPPER_KEY = "ringswap_live"
+
+
+def install(patcher) -> None:
+    """Register the model-call wrapper that tells the feed the sampler's step, once."""
+    if not features.can_wrap(patcher):
+        return
+    import comfy.patcher_extension
+    kind = comfy.patcher_extension.WrappersMP.APPLY_MODEL
+    if not patcher.wrappers.get(kind, {}).get(WRAPPER_KEY):
+        patcher.add_wrapper_with_key(kind, WRAPPER_KEY, _apply_model)
+
+
+def _apply_model(executor, x, t, *args, **kwargs):
+    state = executor.class_obj.diffusion_model.__dict__.get("_ringswap_state")
+    feed = feed_of(state.engine) if state is not None else None
+    if feed is not None:
+        options = kwargs.get("transformer_options", args[3] if len(args) > 3 else None)
+        feed.on_call(t, options.get("sample_sigmas") if isinstance(options, dict) else None)
+    return executor(x, t, *args, **kwargs)

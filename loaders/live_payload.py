@@ -1,0 +1,58 @@
+"""The `ringswap.live` message: where each block's weights are right now, for the browser.
+
+One character per block keeps a 200-block model's message at a few hundred bytes:
+
+    G  resident on the GPU for the whole run
+    R  in a ring slot, its copy landed (computing or waiting to)
+    C  in a ring slot, its copy (or home=disk: its read) still in flight
+    H  at home in host RAM (home=ram), not on the GPU
+    D  on disk (home=disk), not on the GPU
+"""
+from __future__ import annotations
+
+from ..swap import BlockSwapEngine
+
+CODES = {"G": "resident on the GPU", "R": "in a ring slot", "C": "copying", "H": "at home in RAM",
+         "D": "on disk"}
+SCHEMA_VERSION = 1
+
+
+def _copy_done(slot) -> bool:
+    if slot.loading is not None:
+        return False
+    ready = slot.ready
+    return ready is None or bool(ready.query())
+
+
+def block_map(engine: BlockSwapEngine) -> str:
+    """The state code of every block of an attached engine ("" when detached)."""
+    att = engine.att
+    if att is None:
+        return ""
+    away = "D" if engine.home == "disk" else "H"
+    codes = [away] * engine.num_blocks
+    for i in att.plan.resident:
+        codes[i] = "G"
+    for slot in att.ring.slots if att.ring is not None else ():
+        if slot.owner is not None:
+            codes[slot.owner] = "R" if _copy_done(slot) else "C"
+    return "".join(codes)
+
+
+def live_payload(engine: BlockSwapEngine, node: str | None, step: int, steps: int, elapsed_s: float) -> dict:
+    """The message for one moment of a run (JSON-ready). `step`/`steps`: the sampler's step
+    (0-based) and its count when known (else -1 / 0); `elapsed_s`: since the run's first call.
+
+    Keys: v, node (the RingSwap node's id or None), blocks, states (block_map), current
+    (the block computing, -1 between blocks), window, prefetch, ring_slots, resident,
+    streamed, home, step, steps, calls, forwards, copies, bytes_copied, unplanned, elapsed_s.
+    """
+    att = engine.att
+    plan, stats = att.plan, att.stats
+    current = next((s.index for s in engine.states if s.slot is not None), -1)
+    return {"v": SCHEMA_VERSION, "node": node, "blocks": engine.num_blocks, "states": block_map(engine),
+            "current": current, "window": plan.window, "prefetch": plan.prefetch, "ring_slots": plan.ring_slots,
+            "resident": len(plan.resident), "streamed": len(plan.streamed), "home": engine.home,
+            "step": step, "steps": steps, "calls": stats.calls, "forwards": stats.forwards,
+            "copies": stats.copies, "bytes_copied": stats.bytes_copied, "unplanned": stats.unplanned,
+            "elapsed_s": round(elapsed_s, 3)}
