@@ -247,8 +247,12 @@ def env_info(dev: torch.device) -> dict:
     except Exception:   # noqa: BLE001
         pass
     try:
-        info["commit"] = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, timeout=5).stdout.strip() or None
+        git = ["git", "-C", REPO]
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        # the device's copy of the tree can carry an older .git: "+changes" says the tree is not HEAD
+        info["commit"] = (head.stdout.strip() + ("+changes" if dirty else "")) or None
     except Exception:   # noqa: BLE001
         pass
     try:

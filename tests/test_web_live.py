@@ -92,3 +92,11 @@ def test_no_server_no_subscribers():
     """In-process (no PromptServer) nobody is connected, whatever subscribed."""
     live_feed.subscribe("someone")
     assert live_feed.connected_subscribers() == []
+
+
+def test_step_lookup_finds_the_call_in_the_schedule():
+    """The step of a model call: its noise level's index in the sampler's sigmas."""
+    from ringswap.loaders.live_feed import StepLookup
+    sigmas = torch.tensor([14.6, 7.0, 3.1, 1.2, 0.0])
+    assert [StepLookup(sigmas[i:i + 1].clone(), sigmas).step() for i in range(4)] == [0, 1, 2, 3]
+    assert StepLookup(torch.tensor([[3.05]]), sigmas).step() == 2   # a batch: its first entry
