@@ -99,10 +99,11 @@ class StepLookup:
     browser following the run cost 1.5% s/step on the H200 with that read)."""
 
     def __init__(self, sigma: torch.Tensor, sigmas: torch.Tensor):
-        self.sigma = sigma.detach().reshape(-1)[:1].to("cpu", non_blocking=True)
-        self.sigmas = sigmas.detach().reshape(-1).to("cpu", non_blocking=True)
+        cuda = sigma.device.type == "cuda" or sigmas.device.type == "cuda"   # elsewhere: a plain copy
+        self.sigma = sigma.detach().reshape(-1)[:1].to("cpu", non_blocking=cuda)
+        self.sigmas = sigmas.detach().reshape(-1).to("cpu", non_blocking=cuda)
         self.done = None
-        if sigma.device.type == "cuda" or sigmas.device.type == "cuda":
+        if cuda:
             self.done = torch.cuda.Event()
             self.done.record()
 
