@@ -14,7 +14,6 @@ Tiny CPU run of every code path (meaningless numbers): .venv/bin/python bench/au
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import statistics
@@ -25,36 +24,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
+from comfy_start import RingSwapLines, start_comfy  # noqa: E402
 from model_file import wan14b_file  # noqa: E402
-
-
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def child(a) -> dict:
     """One cap in this process: load once, then sample at the auto window and the sweep."""
-    from comfy.cli_args import args
-    if a.device == "cpu":
-        args.cpu = True
     dyn = os.environ.get("RINGSWAP_DYNAMIC_VRAM") == "1"
-    if dyn:
-        import dynamic_vram   # tests/support: what ComfyUI 0.33's main.py does
-        dynamic_vram.init_library()
-    import comfy.model_management as mm
+    mm = start_comfy(a.device, dyn)
     import comfy.sd
-    if dyn:
-        dynamic_vram.enable()
     from ringswap.nodes.patch import RingSwapPatch
 
-    lines = Lines()
-    logging.getLogger("ringswap").addHandler(lines)
-    logging.getLogger("ringswap").setLevel(logging.INFO)
+    lines = RingSwapLines()
     t0 = time.perf_counter()
     stock = comfy.sd.load_diffusion_model(a.path)
     out = {"dynamic_vram": dyn, "stock_load_s": time.perf_counter() - t0, "rows": []}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+import comfy_start
 import common
 
 
@@ -51,20 +52,7 @@ CONFIGS = {
 
 def start_comfy(cfg: Config, device: str):
     """ComfyUI's modules, started as the configuration says; returns comfy.model_management."""
-    from comfy.cli_args import args
-    if device == "cpu":
-        args.cpu = True
-    if cfg.comfy == "0.33" and not cfg.dynamic and hasattr(args, "disable_dynamic_vram"):
-        args.disable_dynamic_vram = True   # what --disable-dynamic-vram sets
-    if cfg.dynamic:
-        import dynamic_vram   # tests/support: what ComfyUI 0.33's main.py does
-        dynamic_vram.init_library()
-    import comfy.model_management as mm
-    import comfy.sample  # noqa: F401  (imported before enable(), as main.py has them)
-    import comfy.sd  # noqa: F401
-    if cfg.dynamic:
-        dynamic_vram.enable()
-    return mm
+    return comfy_start.start_comfy(device, cfg.dynamic, disable_dynamic=cfg.comfy == "0.33" and not cfg.dynamic)
 
 
 def build(cfg: Config, a, dev: torch.device):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import re
 import statistics
@@ -30,6 +29,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402  (ComfyUI and tests/support on sys.path, ballast)
+from comfy_start import RingSwapLines, start_comfy  # noqa: E402
 from io_rates import h2d_rate  # noqa: E402
 
 # name -> (family in tests/support/family_models.py, real unet_config changes, tiny ones, tokens, cap GiB, target)
@@ -43,15 +43,6 @@ SHAPES = {
                           vace_in_dim=96),
                      dict(num_layers=4, vace_layers=2), 32760, 16.0, "resident"),
 }
-
-
-class Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def build(name: str, small: bool, dev: torch.device):
@@ -95,7 +86,7 @@ def conditioning(name: str, tokens: int, small: bool, ctx_len: int):
     return noise, [[torch.randn(1, ctx_len, 64 if small else 4096, generator=g), vace]]
 
 
-def sample(model, noise, cond, steps: int, lines: Lines) -> dict:
+def sample(model, noise, cond, steps: int, lines: RingSwapLines) -> dict:
     """One sampling run: median s/step after the first, the first step, the RingSwap lines, VRAM peak."""
     import comfy.model_management as mm
     import comfy.sample
@@ -129,27 +120,12 @@ def sample(model, noise, cond, steps: int, lines: Lines) -> dict:
     return row
 
 
-def start_ballast(cap: float):
-    torch.cuda.empty_cache()
-    p = subprocess.Popen([sys.executable, "-c", common.BALLAST, str(cap)], stdout=subprocess.PIPE, text=True)
-    common.say(f"[families] cap {cap} GiB, ballast: {p.stdout.readline().strip()}")
-    return p
-
-
 def child(a) -> dict:
     """One family in this process: resident, then RingSwap behind the ballast."""
-    from comfy.cli_args import args
-    if a.device == "cpu":
-        args.cpu = True
     dyn = os.environ.get("RINGSWAP_DYNAMIC_VRAM") == "1"
-    if dyn:
-        import dynamic_vram   # tests/support: what ComfyUI 0.33's main.py does
-        dynamic_vram.init_library()
-        dynamic_vram.enable()
+    start_comfy(a.device, dyn)
     from ringswap.nodes.patch import RingSwapPatch
-    lines = Lines()
-    logging.getLogger("ringswap").addHandler(lines)
-    logging.getLogger("ringswap").setLevel(logging.INFO)
+    lines = RingSwapLines()
     dev = torch.device(a.device)
     _, _, _, tokens, cap, target = SHAPES[a.family]
     tokens = 64 if a.small else tokens
@@ -161,8 +137,8 @@ def child(a) -> dict:
     noise, cond = conditioning(a.family, tokens, a.small, a.ctx_len)
     out["resident"] = sample(stock, noise, cond, a.steps, lines)
     common.say(f"[families] resident: {out['resident']}")
-    ballast = start_ballast(cap) if dev.type == "cuda" else None
-    try:
+    with common.Ballast(cap if dev.type == "cuda" else 0, a.device) as ballast:
+        common.say(f"[families] cap {cap} GiB, ballast: {ballast.line or 'none (CPU)'}")
         out["link"] = h2d_rate(dev, (1 << 30) if dev.type == "cuda" else 1 << 20)
         out["ringswap"] = []
         for prefetch in a.prefetch:
@@ -173,10 +149,6 @@ def child(a) -> dict:
             del model
             out["ringswap"].append(row)
             common.say(f"[families] ringswap prefetch {prefetch}: {row}")
-    finally:
-        if ballast is not None:
-            ballast.kill()
-            ballast.wait()
     return out
 
 
