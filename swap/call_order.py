@@ -13,6 +13,7 @@ class CallOrder:
         self.sequence = tuple(sequence) if sequence else self.streamed
         self.pos = len(self.sequence) - 1          # the last call seen (start: before the first)
         self._recording: list[int] | None = None
+        self._upcoming: dict[int, list[int]] = {}  # cursor position -> upcoming(), for this sequence
 
     def start(self, learn: bool) -> None:
         """A model call begins: back to its first block; with `learn`, record what it calls."""
@@ -28,6 +29,7 @@ class CallOrder:
         seen = set(rec)
         self.sequence = tuple(rec) + tuple(b for b in self.streamed if b not in seen)
         self.pos = len(self.sequence) - 1
+        self._upcoming = {}
         return self.sequence
 
     def observe(self, block: int) -> bool:
@@ -45,12 +47,10 @@ class CallOrder:
     def upcoming(self) -> list[int]:
         """Streamed blocks in the order they are called after the cursor, each once
         (wrapping to the next model call, so the current block comes last unless it is
-        called again sooner)."""
-        seq, cut = self.sequence, self.pos + 1
-        seen: set[int] = set()
-        out = []
-        for b in seq[cut:] + seq[:cut]:
-            if b not in seen:
-                seen.add(b)
-                out.append(b)
+        called again sooner). Made once per cursor position (the engine asks after every
+        block): the list is shared, not to be modified."""
+        out = self._upcoming.get(self.pos)
+        if out is None:
+            seq, cut = self.sequence, self.pos + 1
+            out = self._upcoming[self.pos] = list(dict.fromkeys(seq[cut:] + seq[:cut]))
         return out
