@@ -83,7 +83,7 @@ class LiveFeed:
             return
         self.steps = max(0, len(sigmas) - 1)
         if sigma is not None and _subscribers and self.clients():
-            self._lookup = StepLookup(sigma, sigmas)
+            self._lookup = StepLookup(sigma, sigmas, self._lookup)
 
     def finish(self) -> tuple[float, int, int]:
         """End of a run: (seconds since its first model call, steps, messages sent); resets."""
@@ -98,10 +98,12 @@ class StepLookup:
     for the GPU: reading it on the device would stall the queued kernels once per call (a
     browser following the run cost 1.5% s/step on the H200 with that read)."""
 
-    def __init__(self, sigma: torch.Tensor, sigmas: torch.Tensor):
+    def __init__(self, sigma: torch.Tensor, sigmas: torch.Tensor, last: "StepLookup | None" = None):
         cuda = sigma.device.type == "cuda" or sigmas.device.type == "cuda"   # elsewhere: a plain copy
+        self.schedule = sigmas   # the sampler's tensor: one schedule per run, copied once (`last`'s)
         self.sigma = sigma.detach().reshape(-1)[:1].to("cpu", non_blocking=cuda)
-        self.sigmas = sigmas.detach().reshape(-1).to("cpu", non_blocking=cuda)
+        self.sigmas = last.sigmas if last is not None and last.schedule is sigmas else \
+            sigmas.detach().reshape(-1).to("cpu", non_blocking=cuda)
         self.done = None
         if cuda:
             self.done = torch.cuda.Event()

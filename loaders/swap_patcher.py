@@ -111,13 +111,13 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
 
     @classmethod
     def wrap(cls, model: comfy.model_patcher.ModelPatcher, settings: SwapSettings,
-             onto: comfy.model_patcher.ModelPatcher | None = None, node: str | None = None) -> "SwapModelPatcher":
+             onto: comfy.model_patcher.ModelPatcher | None = None, node: object = None) -> "SwapModelPatcher":
         """A clone of `model` (any ModelPatcher class) that block-swaps with `settings`;
         with `onto` (RingSwap's own load of the same file), a clone whose model is onto's,
         keeping `model`'s patches, options and wrappers. The source's class is swapped only
         for the clone call, as ComfyUI-GGUF does, so the clone is built as a plain
-        SwapModelPatcher (never a dynamic-VRAM patcher). `node`: the RingSwap node's id, for
-        the browser's live view."""
+        SwapModelPatcher (never a dynamic-VRAM patcher). `node`: the RingSwap node's id
+        (ComfyUI's UNIQUE_ID), for the browser's live view."""
         if getattr(model, "model", None) is None or getattr(model.model, "diffusion_model", None) is None:
             raise ValueError(f"RingSwap: expected a diffusion MODEL (a ComfyUI ModelPatcher with a "
                              f"diffusion_model), got {type(model).__name__}")
@@ -135,7 +135,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         state = SwapState.of(n)
         n.size = 0
         n.ringswap = settings
-        n.ringswap_node = node
+        n.ringswap_node = None if node is None else str(node)
         run_plan.install(n)
         live_feed.install(n)
         # Our own weight state: ComfyUI then fully unloads whatever another patcher of

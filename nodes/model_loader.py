@@ -43,4 +43,4 @@ class RingSwapModelLoader:
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb)
         base = cached_swapped_base(path, home, disk_workers, progress=progress_bar())
-        return (SwapModelPatcher.wrap(base, settings, node=None if unique_id is None else str(unique_id)),)
+        return (SwapModelPatcher.wrap(base, settings, node=unique_id),)

@@ -51,5 +51,4 @@ class RingSwapPatch:
     def patch(self, model, window: int, prefetch: int, pin_memory: str, vram_budget_gb: float = 0.0, unique_id=None):
         settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb)
         # A MODEL built for dynamic VRAM is cloned onto RingSwap's own load of its file.
-        return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar()),
-                                      node=None if unique_id is None else str(unique_id)),)
+        return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar()), node=unique_id),)

@@ -7,11 +7,11 @@ path, a name with `..`) is refused before a file is touched.
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import folder_paths
 from aiohttp import web
 
+from ..loaders import comfy_features as features
 from ..loaders import live_feed
 from ..loaders.plan_request import plan_for_file
 from ..swap.planner import NotEnoughVRAM
@@ -84,9 +84,8 @@ async def post_live(request: web.Request) -> web.Response:
 
 
 def register_routes() -> bool:
-    """Add the route to ComfyUI's server when one is running (not when imported in-process)."""
-    server = sys.modules.get("server")
-    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    """Add the routes to ComfyUI's server when one is running (not when imported in-process)."""
+    instance = features.prompt_server()
     if instance is None:
         return False
     instance.routes.get("/ringswap/plan")(get_plan)
