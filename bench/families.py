@@ -32,44 +32,27 @@ import common  # noqa: E402  (ComfyUI and tests/support on sys.path, ballast)
 from comfy_start import RingSwapLines, start_comfy  # noqa: E402
 from io_rates import h2d_rate  # noqa: E402
 
-# name -> (family in tests/support/family_models.py, real unet_config changes, tiny ones, tokens, cap GiB, target)
+# name -> (family in tests/support/family_models.py at family_shapes.REAL widths, its block counts,
+#          block counts with --small (tiny widths), tokens, cap GiB, target)
 SHAPES = {
-    "qwen_image": ("qwen_image",
-                   dict(num_layers=60, attention_head_dim=128, num_attention_heads=24, joint_attention_dim=3584,
-                        axes_dims_rope=(16, 56, 56)),
-                   dict(num_layers=6), 4096, 12.0, "link"),
-    "wan_vace_14b": ("wan_vace",
-                     dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, text_dim=4096, vace_layers=8,
-                          vace_in_dim=96),
-                     dict(num_layers=4, vace_layers=2), 32760, 16.0, "resident"),
+    "qwen_image": ("qwen_image", dict(num_layers=60), dict(num_layers=6), 4096, 12.0, "link"),
+    "wan_vace_14b": ("wan_vace", dict(num_layers=40, vace_layers=8), dict(num_layers=4, vace_layers=2), 32760, 16.0,
+                     "resident"),
 }
 
 
 def build(name: str, small: bool, dev: torch.device):
-    """A ModelPatcher around ComfyUI's own model of this family and shape, bf16, random weights."""
-    import comfy.model_management as mm
-    import comfy.model_patcher
-    import comfy.supported_models
-    import family_models as fm
-    from ringswap.loaders import comfy_features as features
-    fam_name, real, tiny, *_ = SHAPES[name]
+    """A ModelPatcher around ComfyUI's own model of this family and shape (bf16 on CUDA, random
+    weights drawn on `dev`), and its bytes."""
+    sys.path.insert(0, os.path.join(common.REPO, "tests"))
+    from support import family_models as fm
+    from support import family_shapes
+    fam_name, blocks, tiny_blocks, *_ = SHAPES[name]
     fam = fm.BY_NAME[fam_name]
-    fam = dataclasses.replace(fam, unet_config={**fam.unet_config, **(tiny if small else real)})
-    config = getattr(comfy.supported_models, fam.config)(fam.constructor_config())
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    features.set_inference_dtype(config, dtype, None, mm.get_torch_device())
-    with features.static_construction():
-        model = config.get_model({})
-    norms = fm._norm_weights(model.diffusion_model)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    with torch.no_grad():
-        for t in model.diffusion_model.state_dict(keep_vars=True).values():
-            if t.is_floating_point():
-                noise = torch.randn(t.shape, generator=gen, device=dev, dtype=torch.float32).mul_(fm.WEIGHT_STD)
-                t.copy_((noise.add_(1.0) if id(t) in norms else noise).to(t.dtype))
-    nbytes = fm.block_bytes(model.diffusion_model)
-    return comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                            offload_device=mm.unet_offload_device()), nbytes
+    widths = {} if small else family_shapes.REAL[fam_name]
+    fam = dataclasses.replace(fam, unet_config={**fam.unet_config, **widths, **(tiny_blocks if small else blocks)})
+    patcher = fm.build(fam, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, init_device=dev)
+    return patcher, fm.block_bytes(patcher.model.diffusion_model)
 
 
 def conditioning(name: str, tokens: int, small: bool, ctx_len: int):
