@@ -73,6 +73,7 @@ class LiveFeed:
         for sid in sids:
             self.send(EVENT, payload, sid)
         self.sent += 1
+        _due[0] = time.monotonic() + 1.0 / MAX_PER_S   # from the send: building the payload may take a while
 
     def on_call(self, sigma, sigmas) -> None:
         """A model call at noise level `sigma` of the schedule `sigmas` (the sampler's steps).
