@@ -36,7 +36,7 @@ from compare_table import table  # noqa: E402
 
 # (configuration, cap GiB or None = each of --caps); 0 = no cap
 GROUPS = {
-    "base": [("floor", 0), ("comfy-0.3.75", 0), ("comfy-0.33", 0)],
+    "base": [("floor", 0), ("comfy-0.3.75", 0), ("comfy-0.33-dyn", 0), ("comfy-0.33", 0)],
     "peers": [("comfy-0.3.75", None), ("comfy-0.33-dyn", None), ("comfy-0.33", None), ("diffusers", None)],
     "ringswap": [("rs-patch-0.3.75", None), ("rs-loader-0.3.75", None), ("rs-patch-0.33-dyn", None),
                  ("rs-loader-0.33-dyn", None)],

@@ -20,6 +20,11 @@ def _speeds(cells: list[dict]) -> dict:
     return out
 
 
+def _resident_of(cfg) -> str:
+    """The uncapped ComfyUI configuration a cell is held to: same version, same dynamic VRAM."""
+    return next(n for n, c in CONFIGS.items() if c.kind == "comfy" and (c.comfy, c.dynamic) == (cfg.comfy, cfg.dynamic))
+
+
 def _note(c: dict, r: dict, link_gbps: float | None) -> str:
     bits = []
     if r.get("plan"):
@@ -64,11 +69,10 @@ def table(cells: list[dict], small: bool = False, link_gbps: float | None = None
             why = c.get("skipped") or f"failed (rc {c.get('rc')}): " + (c.get("error") or "")[-160:].replace("\n", " ")
             rows.append(head + ["—", why.replace("|", "/")] + [""] * (len(HEADERS) - 5))
             continue
-        version = cfg.comfy
         for r in c["rows"]:
             s = r.get("s_per_step")
             floor = speeds.get((c["format"], "floor", 0, r["tokens"]))
-            resident = speeds.get((c["format"], f"comfy-{version}", 0, r["tokens"]))
+            resident = speeds.get((c["format"], _resident_of(cfg), 0, r["tokens"]))
             pinned = (r.get("pinned") or {}).get("total")
             vram = f"{_gb(r.get('vram_peak'))} ({_gb(r.get('vram_torch_peak'))})"
             rows.append(head + [f"{r['tokens']:,}", fmt_num(s, ".3f"),

@@ -18,6 +18,8 @@
 # RingSwap at that cap, ~6 min each), compare-disk (home disk at 24 and 12, ~8 min),
 # compare-fp8-base (~4 min), compare-fp8-24 (~8 min); a cell that does not fit is listed
 # "not run (budget)". Join the parts' JSON here: python3 bench/compare.py --merge A B ...
+# compare:NAME:SECONDS:ARGS (ARGS comma-separated compare.py arguments, e.g.
+# compare:a:300:--configs,comfy-0.33-dyn,--caps,0,24) for cells packed into one call.
 # compare-smoke (floor, ComfyUI 0.33 dynamic, diffusers, RingSwap Patch on 0.33 at 24 GiB, 7,800 tokens).
 # gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~4 min).
 # families / families-033-dyn (bench/families.py: Qwen-Image 12 GiB + VACE-14B 16 GiB, ~5 min),
@@ -69,7 +71,8 @@ for p in "$@"; do
                   --odirect-gb 0 --budget-s 210 --json "$OUT/stream_fp8.json" ;;
     stream-bf16) part stream_bf16 420 "$bench_comfy" "" python3 bench/stream.py --formats bf16 --odirect-gb 0 \
                    --budget-s 390 --json "$OUT/stream_bf16.json" ;;
-    compare-base) compare base 330 --groups base ;;
+    compare-base) compare base 400 --groups base ;;
+    compare:*) IFS=: read -r _ name secs args <<<"$p"; compare "$name" "$secs" ${args//,/ } ;;
     compare-24-peers) compare 24_peers 420 --groups peers --caps 24 ;;
     compare-24-rs) compare 24_rs 420 --groups ringswap --caps 24 ;;
     compare-12-peers) compare 12_peers 420 --groups peers --caps 12 ;;
