@@ -21,7 +21,9 @@
 # compare:NAME:SECONDS:ARGS (ARGS comma-separated compare.py arguments, e.g.
 # compare:a:300:--configs,comfy-0.33-dyn,--caps,0,24) for cells packed into one call.
 # compare-smoke (floor, ComfyUI 0.33 dynamic, diffusers, RingSwap Patch on 0.33 at 24 GiB, 7,800 tokens).
-# gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~4 min).
+# gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~1.5 min each);
+# gap-rs (0.3.75, 7,800 tokens, + RingSwap Patch at windows 29 and 10, the 24 / 12 GiB plans),
+# gap-033-dyn (0.33 dynamic VRAM, 7,800 tokens, + window 29), ~2 min each.
 # families / families-033-dyn (bench/families.py: Qwen-Image 12 GiB + VACE-14B 16 GiB, ~5 min),
 # vace-033-dyn (VACE-14B only, ~2.5 min). live-033 (bench/live_overhead.py: a server's s/step
 # with and without a browser following the live block map, ~2 min).
@@ -88,7 +90,9 @@ for p in "$@"; do
     live-033) part live_033 150 0.33 "" python3 bench/live_overhead.py --json "$OUT/live_033.json" ;;
     gap) part gap 300 0.3.75 0 python3 bench/gap_profile.py --json "$OUT/gap.json" ;;
     gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-smoke families families-033-dyn vace-033-dyn live-033 gap gap-033)"; exit 2 ;;
+    gap-rs) part gap_rs 240 0.3.75 0 python3 bench/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
+    gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-smoke families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do

@@ -5,15 +5,20 @@ direct forward of the same, fully resident WanModel (the floor), same inputs' sh
 One process, one load: Load Diffusion Model (a model_file.py Wan-14B-shaped file), every
 weight on the GPU (load_models_gpu), warm-up, then per token count: the median wall time
 of --steps steps each way, host enqueue time of the direct forward, and one profiled step
-each way (ComfyUI's: a one-step sampling run, its setup included). Printed: totals (wall, device kernel time, CPU self time, kernel and cast
-counts) and the top differences by name (device time, then CPU time), so a cast, an extra
-kernel or host-side work on ComfyUI's path shows up by name.
+each way (ComfyUI's: a one-step sampling run, its setup included). Printed: totals (wall,
+device kernel time, CPU self time, kernel and cast counts) and the top differences by name
+(device time, then CPU time), so a cast, an extra kernel or host-side work shows up by name.
+With --windows, then RingSwap Patch at each window (prefetch 1) against the resident step,
+in the same process (what streaming costs, by kernel). RINGSWAP_DYNAMIC_VRAM=1 starts 0.33's
+dynamic VRAM; --diff compares the profiles of two such runs (e.g. dynamic against static).
 
     source scripts/device_setup.sh && python3 bench/gap_profile.py --json $OUT/gap.json
-Tiny CPU run (meaningless numbers): RINGSWAP_COMFYUI_DIR=$PWD/.comfyui .venv/bin/python bench/gap_profile.py --small
+    python3 bench/gap_profile.py --diff gap_033.json gap_033_dyn.json     # here, no GPU
+Tiny CPU run (meaningless numbers): RINGSWAP_COMFYUI_DIR=$PWD/.comfyui .venv/bin/python bench/gap_profile.py --small --windows 2
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -52,40 +57,112 @@ def totals(p: dict) -> dict:
             "cast_cpu_ms": sum(v["cpu_ms"] for v in casts)}
 
 
-def diff_table(comfy: dict, floor: dict, key: str, top: int) -> str:
-    """The `top` names whose `key` time differs most between the two profiles."""
-    names = set(comfy["ops"]) | set(floor["ops"])
+def diff_table(a: dict, b: dict, key: str, top: int, names: tuple[str, str] = ("ComfyUI", "floor")) -> str:
+    """The `top` names whose `key` time differs most between profiles `a` and `b`."""
     zero = {"count": 0, "device_ms": 0.0, "cpu_ms": 0.0}
     rows = []
-    for n in names:
-        c, f = comfy["ops"].get(n, zero), floor["ops"].get(n, zero)
-        rows.append((c[key] - f[key], n, c, f))
+    for n in set(a["ops"]) | set(b["ops"]):
+        x, y = a["ops"].get(n, zero), b["ops"].get(n, zero)
+        rows.append((x[key] - y[key], n, x, y))
     rows.sort(key=lambda r: -abs(r[0]))
     return common.md_table(
-        ["name", f"ComfyUI {key}", f"floor {key}", "difference", "calls ComfyUI / floor"],
-        [[n[:90].replace("|", "/"), f"{c[key]:.2f}", f"{f[key]:.2f}", f"{d:+.2f}", f"{c['count']} / {f['count']}"]
-         for d, n, c, f in rows[:top]])
+        ["name", f"{names[0]} {key}", f"{names[1]} {key}", "difference", f"calls {names[0]} / {names[1]}"],
+        [[n[:90].replace("|", "/"), f"{x[key]:.2f}", f"{y[key]:.2f}", f"{d:+.2f}", f"{x['count']} / {y['count']}"]
+         for d, n, x, y in rows[:top]])
+
+
+def show(title: str, named: dict, cuda: bool, top: int) -> None:
+    """Totals of two or more profiles side by side, then the first two's differences by name."""
+    (na, pa), (nb, pb) = list(named.items())[:2]
+    ts = {n: totals(p) for n, p in named.items()}
+    print(f"\n## {title}\n")
+    walls = [["profiled step wall s"] + [f"{p['wall_s']:.3f}" for p in named.values()]] \
+        if all(p["wall_s"] for p in named.values()) else []
+    print(common.md_table([""] + list(named), walls + [
+        ["device kernel ms"] + [f"{t['device_ms']:.1f}" for t in ts.values()],
+        ["CPU self ms"] + [f"{t['cpu_ms']:.1f}" for t in ts.values()],
+        ["ops (calls)"] + [t["ops"] for t in ts.values()],
+        ["casts: calls / CPU ms"] + [f"{t['cast_calls']} / {t['cast_cpu_ms']:.1f}" for t in ts.values()]]))
+    if cuda:
+        print("\nby device time (ms):\n" + diff_table(pa, pb, "device_ms", top, (na, nb)))
+    print("\nby CPU self time (ms):\n" + diff_table(pa, pb, "cpu_ms", top, (na, nb)), flush=True)
+
+
+def diff_runs(a) -> None:
+    """--diff A B: the --what profiles of two earlier runs, per token count both measured."""
+    runs = []
+    for p in a.diff:
+        with open(p) as f:
+            data = json.load(f)
+        env = data["env"]
+        runs.append((f"{env.get('comfyui')}{' dyn' if data.get('dynamic_vram') else ''} ({os.path.basename(p)})",
+                     {r["tokens"]: r for r in data["rows"]}))
+    (na, ra), (nb, rb) = runs
+    for tokens in sorted(set(ra) & set(rb)):
+        x, y = ra[tokens], rb[tokens]
+        key = f"{a.what}_ops"
+        if key not in x or key not in y:
+            continue
+        print(f"\n{tokens:,} tokens, {a.what} path: {x.get(a.what + '_s', 0):.3f} vs {y.get(a.what + '_s', 0):.3f} s/step")
+        show(f"{tokens:,} tokens: {na} against {nb}",
+             {na: {"wall_s": 0.0, "ops": x[key]}, nb: {"wall_s": 0.0, "ops": y[key]}}, True, a.top)
+
+
+def ringswap_rows(a, patcher, rows: dict, cuda: bool) -> None:
+    """RingSwap Patch at each of --windows (prefetch 1) on the loaded model, per token count:
+    s/step, one profiled step against the resident ComfyUI step of the same tokens."""
+    from compare_child import keep_run_stats
+    from ringswap.nodes.patch import RingSwapPatch
+    for window in a.windows:
+        (rs,) = RingSwapPatch().patch(patcher, window, 1, "auto")
+        stats = keep_run_stats(rs)
+        for tokens, row in rows.items():
+            def rs_step() -> None:
+                common.sample_steps(rs, tokens, 1, a.ctx_len)
+
+            rs_step()
+            rs_s = statistics.median(common.sample_steps(rs, tokens, a.steps + 1, a.ctx_len)[1:])
+            line = stats[-1].line() if stats else ""
+            pr = profile(rs_step, cuda)
+            row.setdefault("ringswap", []).append({"window": window, "s": rs_s, "stats": line,
+                                                    "totals": totals(pr), "ops": pr["ops"]})
+            print(f"\n{tokens:,} tokens: RingSwap window {window} {rs_s:.3f} s/step against resident "
+                  f"{row['comfy_s']:.3f} (x{rs_s / row['comfy_s']:.3f}); {line}")
+            show(f"{tokens:,} tokens: RingSwap window {window} against ComfyUI resident",
+                 {f"RingSwap w{window}": pr, "ComfyUI": {"wall_s": 0.0, "ops": row["comfy_ops"]}}, cuda, a.top)
+        common.write_json(a.json, a.out)
 
 
 def main() -> None:
     ap = common.base_parser(__doc__)
-    ap.add_argument("--format", default="bf16", choices=["bf16", "scaled_fp8"])
+    ap.add_argument("--format", default=None, choices=["bf16", "scaled_fp8", "fp32"],
+                    help="default bf16 (--small: fp32, as 0.33's dynamic VRAM on a CPU runs bf16 uncast)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps each way (median)")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--windows", type=int, nargs="*", default=[], help="RingSwap Patch windows to profile too")
+    ap.add_argument("--diff", nargs=2, default=None, help="two earlier runs' JSON: compare, no GPU")
+    ap.add_argument("--what", default="comfy", choices=["comfy", "floor"], help="--diff: which profiles")
     a = ap.parse_args()
-    a.tokens = a.tokens or ([64] if a.small else [7800, 32760])
+    if a.diff:
+        diff_runs(a)
+        return
     common.start(a, lambda _: {})
     if a.small:
         a.ctx_len = 16
+    a.format = a.format or ("fp32" if a.small else "bf16")
+    import comfy_start
+    dynamic = os.environ.get("RINGSWAP_DYNAMIC_VRAM") == "1"
+    mm = comfy_start.start_comfy(a.device, dynamic)
     path = wan14b_file(a.dir, a.format, a.small, a.device, layers_small=4)
-    import comfy.model_management as mm
     import comfy.sd
     patcher = comfy.sd.load_diffusion_model(path)
     mm.load_models_gpu([patcher], force_full_load=True)
     dev = mm.get_torch_device()
     cuda = dev.type == "cuda"
     dm = patcher.model.diffusion_model
-    out = {"env": common.env_info(dev), "format": a.format, "rows": []}
+    a.out = {"env": common.env_info(dev), "format": a.format, "dynamic_vram": dynamic,
+             "patcher": type(patcher).__name__, "rows": []}
+    rows = {}
     for tokens in a.tokens:
         inputs = common.make_inputs(tokens, dev, common.compute_dtype(patcher, dev), a.ctx_len, 0)
 
@@ -97,33 +174,31 @@ def main() -> None:
                 dm(*inputs)
 
         comfy_step()
-        floor_step()
         comfy_s = statistics.median(common.sample_steps(patcher, tokens, a.steps + 1, a.ctx_len)[1:])
-        floor_s = statistics.median(common.step_times(dm, inputs, a.steps, dev))
-        common.sync(dev)
-        t0 = time.perf_counter()
-        floor_step()
-        enqueue_s = time.perf_counter() - t0
-        common.sync(dev)
-        pc, pf = profile(comfy_step, cuda), profile(floor_step, cuda)
-        tc, tf = totals(pc), totals(pf)
-        row = {"tokens": tokens, "comfy_s": comfy_s, "floor_s": floor_s, "ratio": comfy_s / floor_s,
-               "floor_enqueue_s": enqueue_s, "comfy_totals": tc, "floor_totals": tf,
-               "comfy_ops": pc["ops"], "floor_ops": pf["ops"]}
-        out["rows"].append(row)
-        print(f"\n## {tokens:,} tokens: ComfyUI {comfy_s:.3f} s/step, floor {floor_s:.3f} s/step "
-              f"(x{comfy_s / floor_s:.3f}); floor's forward enqueues in {enqueue_s:.3f} s\n")
-        print(common.md_table(["", "ComfyUI path", "floor"], [
-            ["profiled step wall s", f"{pc['wall_s']:.3f}", f"{pf['wall_s']:.3f}"],
-            ["device kernel ms", f"{tc['device_ms']:.1f}", f"{tf['device_ms']:.1f}"],
-            ["CPU self ms", f"{tc['cpu_ms']:.1f}", f"{tf['cpu_ms']:.1f}"],
-            ["ops (calls)", tc["ops"], tf["ops"]],
-            ["casts: calls / CPU ms", f"{tc['cast_calls']} / {tc['cast_cpu_ms']:.1f}",
-             f"{tf['cast_calls']} / {tf['cast_cpu_ms']:.1f}"]]))
-        if cuda:
-            print("\nby device time (ms):\n" + diff_table(pc, pf, "device_ms", a.top))
-        print("\nby CPU self time (ms):\n" + diff_table(pc, pf, "cpu_ms", a.top), flush=True)
-        common.write_json(a.json, out)
+        pc = profile(comfy_step, cuda)
+        row = rows[tokens] = {"tokens": tokens, "comfy_s": comfy_s, "comfy_totals": totals(pc), "comfy_ops": pc["ops"]}
+        a.out["rows"].append(row)
+        try:   # under dynamic VRAM a direct call of the module is not a path ComfyUI promises
+            floor_step()
+            floor_s = statistics.median(common.step_times(dm, inputs, a.steps, dev))
+            common.sync(dev)
+            t0 = time.perf_counter()
+            floor_step()
+            enqueue_s = time.perf_counter() - t0
+            common.sync(dev)
+            pf = profile(floor_step, cuda)
+        except Exception as e:  # noqa: BLE001  (reported in the row; ComfyUI's path stands alone)
+            row["floor_error"] = f"{type(e).__name__}: {e}"[:300]
+            print(f"\n{tokens:,} tokens: ComfyUI {comfy_s:.3f} s/step; floor failed: {row['floor_error']}")
+            common.write_json(a.json, a.out)
+            continue
+        row.update(floor_s=floor_s, ratio=comfy_s / floor_s, floor_enqueue_s=enqueue_s,
+                   floor_totals=totals(pf), floor_ops=pf["ops"])
+        print(f"\n{tokens:,} tokens: ComfyUI {comfy_s:.3f} s/step, floor {floor_s:.3f} s/step "
+              f"(x{comfy_s / floor_s:.3f}); floor's forward enqueues in {enqueue_s:.3f} s")
+        show(f"{tokens:,} tokens: ComfyUI path against the floor", {"ComfyUI path": pc, "floor": pf}, cuda, a.top)
+        common.write_json(a.json, a.out)
+    ringswap_rows(a, patcher, rows, cuda)
 
 
 if __name__ == "__main__":
