@@ -17,7 +17,7 @@ import comfy.lora
 import comfy.lora_convert
 import comfy.utils
 
-from .fold import capture_root_log, check_patcher
+from .checks import capture_root_log, check_patcher
 from .keys import model_key_map
 
 log = logging.getLogger("ringswap.lora")

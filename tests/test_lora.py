@@ -5,7 +5,7 @@ Reference: the stock loader (comfy.sd.load_diffusion_model) + ComfyUI's LoRA pat
 patched weights are read from the model after ComfyUI loaded it. RingSwap folds the same
 patches into each block as it lands; on the same device the math is the same, so weights
 and outputs must be equal bit for bit (torch.equal) on the CPU; on CUDA plain LoRA pairs fold
-with a fused addmm_ (lora/fold.py): within one ulp per weight, outputs within 1e-3.
+with a fused addmm_ (lora/fold_ops.py): within one ulp per weight, outputs within 1e-3.
 """
 import logging
 import os
@@ -113,7 +113,7 @@ class FoldProbe:
 
     def __init__(self, model, expected: dict, ulps: int | None = None):
         # 0: bit-exact (the CPU follows ComfyUI's steps); on CUDA plain LoRA pairs fold with
-        # a fused addmm_, within one unit in the last place (lora/fold.py)
+        # a fused addmm_, within one unit in the last place (lora/fold_ops.py)
         self.ulps = (1 if torch.cuda.is_available() else 0) if ulps is None else ulps
         self.engine = model.swap_engine
         self.checks = [0] * self.engine.num_blocks

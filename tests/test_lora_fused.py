@@ -2,7 +2,7 @@
 import comfy.model_management
 import comfy.sd
 
-import ringswap.lora.fold as fold
+import ringswap.lora.fold_ops as fold_ops
 from ringswap.loaders.model_loader import load_swapped_model
 from ringswap.loaders.swap_patcher import SwapSettings
 from ringswap.lora.apply import apply_lora
@@ -12,7 +12,7 @@ from wan_model import forward, inputs, load_stock, patched_weights, tiny_wan
 
 
 def test_fused_fold_within_one_ulp_of_comfyui(tmp_path, monkeypatch):
-    monkeypatch.setattr(fold, "FUSED_DEVICES", {"cpu"})
+    monkeypatch.setattr(fold_ops, "FUSED_DEVICES", {"cpu"})
     path = tiny_wan(str(tmp_path), blocks=4)
     sd = build_lora("kohya", blocks=4)
     stock = load_stock(path)

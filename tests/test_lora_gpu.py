@@ -13,7 +13,7 @@ import comfy.utils
 from ringswap.loaders.model_loader import load_swapped_model
 from ringswap.loaders.swap_patcher import SwapSettings
 from ringswap.lora.apply import apply_lora
-from ringswap.lora.fold import _KitchenOp, _PlainOp, _ScaledFp8Op, _kitchen_from_float
+from ringswap.lora.fold_ops import KitchenOp, PlainOp, ScaledFp8Op, kitchen_from_float
 from support.lora_files import LINEARS, build_lora, from_diffusers_names, kohya, linear_shape
 from test_lora import FoldProbe
 from wan_model import forward, inputs, load_stock, patched_weights, tiny_wan
@@ -42,7 +42,7 @@ def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype):
         assert not probe.bad, probe.bad[:4]
         for out in outs:
             err = ((out.float() - want.float()).norm() / want.float().norm()).item()
-            assert err <= 1e-3, (window, prefetch, err)   # one ulp per folded weight, see lora/fold.py
+            assert err <= 1e-3, (window, prefetch, err)   # one ulp per folded weight, see lora/fold_ops.py
         comfy.model_management.unload_all_models()
 
 
@@ -77,17 +77,17 @@ def test_fold_cost_per_wan14b_block():
                 w = torch.randn(linear_shape(n, dim, ffn), device=dev) * 0.02
                 plist = ((1.0, pset[key], 1.0, None, None),)
                 if base == "bf16":
-                    ops.append(_PlainOp(key, plist, len(tensors)))
+                    ops.append(PlainOp(key, plist, len(tensors)))
                     tensors.append(w.to(torch.bfloat16))
                 elif base == "fp8":
                     scale = w.abs().amax() / 448.0
-                    ops.append(_ScaledFp8Op(key, plist, len(tensors), len(tensors) + 1))
+                    ops.append(ScaledFp8Op(key, plist, len(tensors), len(tensors) + 1))
                     tensors += [(w / scale).to(torch.float8_e4m3fn), scale.reshape(())]
                 else:
-                    q = _kitchen_from_float(w, "TensorCoreNVFP4Layout")
+                    q = kitchen_from_float(w, "TensorCoreNVFP4Layout")
                     p = q._params
                     fields = ("scale", "block_scale")
-                    ops.append(_KitchenOp(key, plist, range(len(tensors), len(tensors) + 3),
+                    ops.append(KitchenOp(key, plist, range(len(tensors), len(tensors) + 3),
                                           "TensorCoreNVFP4Layout", p, fields))
                     tensors += [q._qdata, p.scale, p.block_scale]
             del w

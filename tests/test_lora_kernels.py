@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ringswap.lora import kernels
-from ringswap.lora.fold import MIN_SCALE, NVFP4_MAX, _KitchenOp, _ScaledFp8Op, _kitchen_from_float
+from ringswap.lora.fold_ops import MIN_SCALE, NVFP4_MAX, KitchenOp, ScaledFp8Op, kitchen_from_float
 from test_lora_quant import assert_fp8_close
 
 pytestmark = pytest.mark.gpu
@@ -117,7 +117,7 @@ def test_fold_nvfp4_quantizes_as_comfy_kitchen(shape):
 
 
 def test_ops_use_the_kernels_and_match_the_op_by_op_fold(monkeypatch):
-    """_ScaledFp8Op and _KitchenOp (nvfp4) on CUDA: fused result == op-by-op result within a
+    """ScaledFp8Op and KitchenOp (nvfp4) on CUDA: fused result == op-by-op result within a
     requantization step."""
     import comfy.weight_adapter.lora as wl   # ComfyUI's own patch type, as load_lora makes it
     m, n, r = 512, 768, 32
@@ -131,26 +131,26 @@ def test_ops_use_the_kernels_and_match_the_op_by_op_fold(monkeypatch):
         return [(w0 / s).to(torch.float8_e4m3fn), s.clone()]
 
     fused, plain = fp8_parts(), fp8_parts()
-    op = _ScaledFp8Op("k.weight", plist, 0, 1)
+    op = ScaledFp8Op("k.weight", plist, 0, 1)
     assert op.pairs is not None
     op(fused)
     monkeypatch.setenv("RINGSWAP_FUSED_KERNELS", "0")
-    _ScaledFp8Op("k.weight", plist, 0, 1)(plain)
+    ScaledFp8Op("k.weight", plist, 0, 1)(plain)
     monkeypatch.delenv("RINGSWAP_FUSED_KERNELS")
     assert abs(fused[1].item() / plain[1].item() - 1) < 1e-6
     assert_fp8_close(fused[0], plain[0], "fp8 op")
     assert ("fp8", fused[0].device) in kernels._BUILT, "the fused fp8 kernel did not run"
 
-    q = _kitchen_from_float(w0, "TensorCoreNVFP4Layout")
+    q = kitchen_from_float(w0, "TensorCoreNVFP4Layout")
     fields = ("scale", "block_scale")
 
     def nv_parts():
         return [q._qdata.clone(), q._params.scale.clone(), q._params.block_scale.clone()]
 
     fused, plain = nv_parts(), nv_parts()
-    _KitchenOp("k.weight", plist, range(3), "TensorCoreNVFP4Layout", q._params, fields)(fused)
+    KitchenOp("k.weight", plist, range(3), "TensorCoreNVFP4Layout", q._params, fields)(fused)
     monkeypatch.setenv("RINGSWAP_FUSED_KERNELS", "0")
-    _KitchenOp("k.weight", plist, range(3), "TensorCoreNVFP4Layout", q._params, fields)(plain)
+    KitchenOp("k.weight", plist, range(3), "TensorCoreNVFP4Layout", q._params, fields)(plain)
     monkeypatch.delenv("RINGSWAP_FUSED_KERNELS")
     assert abs(fused[1].item() / plain[1].item() - 1) < 1e-6
     assert (fused[0] == plain[0]).float().mean().item() > 0.999
@@ -166,15 +166,15 @@ def test_kitchen_fp8_layout_op_uses_the_add_kernel(monkeypatch):
     up, down = (torch.randn(m, r) * 0.05).bfloat16(), (torch.randn(r, n) * 0.05).bfloat16()
     patch = wl.LoRAAdapter({"up", "down"}, (up, down, torch.tensor(16.0), None, None, None))
     plist = ((0.8, patch, 1.0, None, None),)
-    q = _kitchen_from_float(torch.randn(m, n, device=DEV) * 0.03, "TensorCoreFP8Layout")
+    q = kitchen_from_float(torch.randn(m, n, device=DEV) * 0.03, "TensorCoreFP8Layout")
 
     def parts():
         return [q._qdata.clone(), q._params.scale.clone()]
 
     fused, plain = parts(), parts()
-    _KitchenOp("k.weight", plist, range(2), "TensorCoreFP8Layout", q._params, ("scale",))(fused)
+    KitchenOp("k.weight", plist, range(2), "TensorCoreFP8Layout", q._params, ("scale",))(fused)
     monkeypatch.setenv("RINGSWAP_FUSED_KERNELS", "0")
-    _KitchenOp("k.weight", plist, range(2), "TensorCoreFP8Layout", q._params, ("scale",))(plain)
+    KitchenOp("k.weight", plist, range(2), "TensorCoreFP8Layout", q._params, ("scale",))(plain)
     monkeypatch.delenv("RINGSWAP_FUSED_KERNELS")
     assert abs(fused[1].item() / plain[1].item() - 1) < 1e-6
     assert_fp8_close(fused[0], plain[0], "kitchen fp8 op")

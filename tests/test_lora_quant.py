@@ -230,7 +230,8 @@ def test_kitchen_tensor_fold_op(layout_cls):
     from comfy_kitchen.tensor import QuantizedTensor
 
     import ringswap.loaders.quant  # noqa: F401 - registers the codecs
-    from ringswap.lora.fold import _attr_index, _KitchenOp, _make_op, _ScaledFp8Op
+    from ringswap.lora.checks import attr_index
+    from ringswap.lora.fold_ops import KitchenOp, ScaledFp8Op, make_op
     from ringswap.swap.layout import BlockLayout
 
     g = torch.Generator().manual_seed(0)
@@ -245,9 +246,9 @@ def test_kitchen_tensor_fold_op(layout_cls):
     up, down = torch.randn(64, 4, generator=g) * 0.1, torch.randn(4, 128, generator=g) * 0.1
     lora = comfy.lora.load_lora({"x.lora_up.weight": up, "x.lora_down.weight": down}, {"x": "k"})
     patches = [(1.0, lora["k"], 1.0, None, None)]
-    names = _attr_index(layout)
-    op = _make_op("k", patches, layout, layout.attrs[names["lin.weight"]], names)
-    assert isinstance(op, _ScaledFp8Op if layout_cls == "TensorCoreFP8Layout" else _KitchenOp)
+    names = attr_index(layout)
+    op = make_op("k", patches, layout, layout.attrs[names["lin.weight"]], names)
+    assert isinstance(op, ScaledFp8Op if layout_cls == "TensorCoreFP8Layout" else KitchenOp)
     views = layout.views(flat)
     op(views)
     folded = layout.attrs[0].codec.join(layout.attrs[0].spec, views)
