@@ -11,7 +11,8 @@ The disk cell also gets the disk's own O_DIRECT rate, measured right before it.
 
 Cells run in priority order (per format: the uncapped baselines, then each cap in --caps
 order, the disk cells last, since they drop the page cache); a cell whose estimated time
-does not fit the rest of --budget-s is listed as "not run (budget)". The table (markdown)
+does not fit the rest of --budget-s is listed as "not run (budget)". Under the table, one line
+per RingSwap cell says which of the issue's targets it meets (compare_targets.py). The table (markdown)
 and everything measured (JSON) are written after every cell; --merge joins the JSON of
 several runs (e.g. several device calls) into one table.
 
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
 from compare_child import CONFIGS, child  # noqa: E402
 from compare_table import table  # noqa: E402
+from compare_targets import targets  # noqa: E402
 
 # (configuration, cap GiB or None = each of --caps); 0 = no cap
 GROUPS = {
@@ -124,6 +126,8 @@ def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
 
 def save(a, cells: list[dict], env: dict) -> str:
     out = table(cells, small=a.small, link_gbps=env.get("h2d_gbps"))
+    judged = targets(cells, env.get("h2d_gbps"), a.workers)
+    out += "\n\nTargets:\n" + judged if judged else ""
     common.write_json(a.json, {"env": env, "args": vars(a), "cells": cells, "table": out})
     if a.md:
         with open(a.md, "w") as f:

@@ -10,7 +10,7 @@ HEADERS = ["format", "cap GiB", "configuration", "tokens", "s/step", "x floor", 
            "first step s", "load s", "peak VRAM GB (torch)", "host RSS peak / steady GB", "pinned GB", "note"]
 
 
-def _speeds(cells: list[dict]) -> dict:
+def speeds_of(cells: list[dict]) -> dict:
     """(format, config, cap, tokens) -> s/step of every measured row."""
     out = {}
     for c in cells:
@@ -20,7 +20,7 @@ def _speeds(cells: list[dict]) -> dict:
     return out
 
 
-def _resident_of(cfg) -> str:
+def resident_of(cfg) -> str:
     """The uncapped ComfyUI configuration a cell is held to: same version, same dynamic VRAM."""
     return next(n for n, c in CONFIGS.items() if c.kind == "comfy" and (c.comfy, c.dynamic) == (cfg.comfy, cfg.dynamic))
 
@@ -59,7 +59,7 @@ def _gb(v) -> str:
 def table(cells: list[dict], small: bool = False, link_gbps: float | None = None) -> str:
     """The markdown table of `cells` (compare.py's cell dicts, measured or not); `link_gbps`:
     the pinned host->GPU rate measured in the same run."""
-    speeds = _speeds(cells)
+    speeds = speeds_of(cells)
     rows = []
     for c in cells:
         cfg = CONFIGS[c["config"]]
@@ -72,7 +72,7 @@ def table(cells: list[dict], small: bool = False, link_gbps: float | None = None
         for r in c["rows"]:
             s = r.get("s_per_step")
             floor = speeds.get((c["format"], "floor", 0, r["tokens"]))
-            resident = speeds.get((c["format"], _resident_of(cfg), 0, r["tokens"]))
+            resident = speeds.get((c["format"], resident_of(cfg), 0, r["tokens"]))
             pinned = (r.get("pinned") or {}).get("total")
             vram = f"{_gb(r.get('vram_peak'))} ({_gb(r.get('vram_torch_peak'))})"
             rows.append(head + [f"{r['tokens']:,}", fmt_num(s, ".3f"),

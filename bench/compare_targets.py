@@ -1,0 +1,82 @@
+"""bench/compare.py's targets (issue 13), judged from the cells of one table: RingSwap at least
+as fast as every peer at the same cap; <= 1.01 x ComfyUI resident of its version at 24 GiB;
+>= 90% of the pinned link where a cell is transfer-bound (else the bound it can reach);
+steady host RSS <= 1.05 x the file with home=ram, a few blocks with home=disk."""
+from __future__ import annotations
+
+import re
+
+from compare_child import CONFIGS
+from compare_table import resident_of, speeds_of
+
+RINGSWAP = ("patch", "loader", "disk")
+PEERS = ("comfy", "diffusers")
+
+
+def _rows(cells: list[dict], kinds: tuple[str, ...]):
+    for c in cells:
+        if CONFIGS[c["config"]].kind in kinds and c.get("cap_gib"):
+            for r in c.get("rows", []):
+                if r.get("s_per_step"):
+                    yield c, r
+
+
+def _peers(cells: list[dict], c: dict, r: dict) -> list[str]:
+    """What each peer at the same format, cap and tokens does against RingSwap's row."""
+    out = []
+    for p, pr in _rows(cells, PEERS):
+        if (p["format"], p["cap_gib"], pr["tokens"]) != (c["format"], c["cap_gib"], r["tokens"]):
+            continue
+        other = "" if CONFIGS[p["config"]].comfy == CONFIGS[c["config"]].comfy else " (other ComfyUI)"
+        verdict = "ok" if r["s_per_step"] <= pr["s_per_step"] else "SLOWER"
+        out.append(f"{verdict} vs {p['config']}{other} {pr['s_per_step']:.3f}")
+    return out
+
+
+def _blocks(plan: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+) resident \+ (\d+) streamed", plan or "")
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def _link(c: dict, r: dict, resident: float | None, link_gbps: float | None) -> str:
+    if not (link_gbps and r.get("h2d_bytes_per_step") and resident):
+        return ""
+    copy_s = r["h2d_bytes_per_step"] / 1e9 / link_gbps
+    share = copy_s / r["s_per_step"]
+    if copy_s >= resident:
+        return f"transfer-bound: {100 * share:.0f}% of link ({'ok' if share >= 0.9 else 'MISSED'} >= 90%)"
+    return (f"not transfer-bound (copies {copy_s:.3f} s < resident step {resident:.3f} s): "
+            f"{100 * share:.0f}% of link of at most {100 * copy_s / resident:.0f}%")
+
+
+def _rss(c: dict, r: dict, workers: int) -> str:
+    if r.get("rss_steady") is None or not c.get("file_bytes"):
+        return ""
+    held = r["rss_steady"] - c.get("rss_base", 0)
+    if CONFIGS[c["config"]].kind != "disk":
+        x = held / c["file_bytes"]
+        return f"RSS {x:.2f} x file ({'ok' if x <= 1.05 else 'MISSED'} <= 1.05)"
+    n = _blocks(r.get("plan"))
+    if not n:
+        return ""
+    block = c["file_bytes"] / sum(n)
+    allowed = n[0] + 1 + 1 + workers   # window (resident + its ring slot) + prefetch + readers
+    return f"RSS {held / block:.1f} blocks' worth (window + prefetch + readers = {allowed}, plus non-block weights)"
+
+
+def targets(cells: list[dict], link_gbps: float | None, workers: int = 8) -> str:
+    """One line per RingSwap row under a cap, every target it is held to."""
+    speeds = speeds_of(cells)
+    lines = []
+    for c, r in _rows(cells, RINGSWAP):
+        s = r["s_per_step"]
+        resident = speeds.get((c["format"], resident_of(CONFIGS[c["config"]]), 0, r["tokens"]))
+        bits = []
+        if resident and c["cap_gib"] == 24:
+            x = s / resident
+            bits.append(f"x{x:.3f} resident ({'ok' if x <= 1.01 else 'MISSED'} <= 1.01)")
+        bits += _peers(cells, c, r)
+        bits += [b for b in (_link(c, r, resident, link_gbps), _rss(c, r, workers)) if b]
+        lines.append(f"- {c['format']} {c['cap_gib']:g} GiB {c['config']} {r['tokens']:,} tokens {s:.3f} s/step: "
+                     + "; ".join(bits))
+    return "\n".join(lines)
