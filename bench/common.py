@@ -162,7 +162,8 @@ def pinned_bytes() -> dict:
         out["comfy_registered"] = int(mm.TOTAL_PINNED_MEMORY)
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         try:
-            out["torch_host_alloc"] = int(torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0))
+            st = torch.cuda.host_memory_stats()   # key names changed between torch versions
+            out["torch_host_alloc"] = int(st.get("allocated_bytes.current", st.get("allocated_bytes.all.current", 0)))
         except Exception:   # noqa: BLE001  (older torch: no such counter)
             pass
     out["total"] = sum(out.values())
