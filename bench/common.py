@@ -162,7 +162,7 @@ def pinned_bytes() -> dict:
         out["comfy_registered"] = int(mm.TOTAL_PINNED_MEMORY)
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         try:
-            st = torch.cuda.host_memory_stats()   # key names changed between torch versions
+            st = torch.cuda.host_memory_stats()   # the host allocator's keys have no pool part
             out["torch_host_alloc"] = int(st.get("allocated_bytes.current", st.get("allocated_bytes.all.current", 0)))
         except Exception:   # noqa: BLE001  (older torch: no such counter)
             pass
