@@ -129,7 +129,8 @@ def ringswap_rows(a, patcher, rows: dict, cuda: bool) -> None:
             print(f"\n{tokens:,} tokens: RingSwap window {window} {rs_s:.3f} s/step against resident "
                   f"{row['comfy_s']:.3f} (x{rs_s / row['comfy_s']:.3f}); {line}")
             show(f"{tokens:,} tokens: RingSwap window {window} against ComfyUI resident",
-                 {f"RingSwap w{window}": pr, "ComfyUI": {"wall_s": 0.0, "ops": row["comfy_ops"]}}, cuda, a.top)
+                 {f"RingSwap w{window}": pr, "ComfyUI": {"wall_s": row["comfy_wall_s"], "ops": row["comfy_ops"]}},
+                 cuda, a.top)
         common.write_json(a.json, a.out)
 
 
@@ -176,7 +177,8 @@ def main() -> None:
         comfy_step()
         comfy_s = statistics.median(common.sample_steps(patcher, tokens, a.steps + 1, a.ctx_len)[1:])
         pc = profile(comfy_step, cuda)
-        row = rows[tokens] = {"tokens": tokens, "comfy_s": comfy_s, "comfy_totals": totals(pc), "comfy_ops": pc["ops"]}
+        row = rows[tokens] = {"tokens": tokens, "comfy_s": comfy_s, "comfy_wall_s": pc["wall_s"],
+                              "comfy_totals": totals(pc), "comfy_ops": pc["ops"]}
         a.out["rows"].append(row)
         try:   # under dynamic VRAM a direct call of the module is not a path ComfyUI promises
             floor_step()
