@@ -9,7 +9,7 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-sys.path.insert(0, BENCH)
+sys.path.append(BENCH)   # last: bench/dynamic_vram.py must not shadow tests/support's
 
 import compare_table  # noqa: E402
 import compare_targets  # noqa: E402
