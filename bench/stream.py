@@ -34,10 +34,11 @@ import time
 
 import torch
 
-from common import COMFY, REPO, T0, Budget, env_info, fmt_num, gb, latent_shape, say, write_json
+from common import COMFY, REPO, T0, env_info, fmt_num, gb, latent_shape, say, write_json
 from io_rates import h2d_rate, odirect_rate
 from model_file import (estimate_file, existing_file_ok, file_signature, install_nvfp4_fallback, wan_template,
                         write_model)
+from stream_budget import Budget
 from stream_home import compute_note, plan_counts, run_home
 
 

@@ -9,9 +9,10 @@ import time
 
 import torch
 
-from common import (Budget, RssSampler, compute_dtype, gb, make_inputs, rss_bytes, say, step_times, unload,
+from common import (RssSampler, compute_dtype, gb, make_inputs, rss_bytes, say, step_times, unload,
                     vmhwm_bytes)
 from io_rates import drop_page_cache, odirect_rate
+from stream_budget import Budget
 
 
 def plan_counts(layers: int, window: int, prefetch: int) -> tuple[int, int]:
