@@ -108,7 +108,7 @@ def diff_runs(a) -> None:
              {na: {"wall_s": 0.0, "ops": x[key]}, nb: {"wall_s": 0.0, "ops": y[key]}}, True, a.top)
 
 
-def ringswap_rows(a, patcher, rows: dict, cuda: bool) -> None:
+def ringswap_rows(a, patcher, rows: dict, cuda: bool, out: dict) -> None:
     """RingSwap Patch at each of --windows (prefetch 1) on the loaded model, per token count:
     s/step, one profiled step against the resident ComfyUI step of the same tokens."""
     from compare_child import keep_run_stats
@@ -131,7 +131,7 @@ def ringswap_rows(a, patcher, rows: dict, cuda: bool) -> None:
             show(f"{tokens:,} tokens: RingSwap window {window} against ComfyUI resident",
                  {f"RingSwap w{window}": pr, "ComfyUI": {"wall_s": row["comfy_wall_s"], "ops": row["comfy_ops"]}},
                  cuda, a.top)
-        common.write_json(a.json, a.out)
+        common.write_json(a.json, out)
 
 
 def main() -> None:
@@ -161,7 +161,7 @@ def main() -> None:
     dev = mm.get_torch_device()
     cuda = dev.type == "cuda"
     dm = patcher.model.diffusion_model
-    a.out = {"env": common.env_info(dev), "format": a.format, "dynamic_vram": dynamic,
+    out = {"env": common.env_info(dev), "format": a.format, "dynamic_vram": dynamic,
              "patcher": type(patcher).__name__, "rows": []}
     rows = {}
     for tokens in a.tokens:
@@ -179,7 +179,7 @@ def main() -> None:
         pc = profile(comfy_step, cuda)
         row = rows[tokens] = {"tokens": tokens, "comfy_s": comfy_s, "comfy_wall_s": pc["wall_s"],
                               "comfy_totals": totals(pc), "comfy_ops": pc["ops"]}
-        a.out["rows"].append(row)
+        out["rows"].append(row)
         try:   # under dynamic VRAM a direct call of the module is not a path ComfyUI promises
             floor_step()
             floor_s = statistics.median(common.step_times(dm, inputs, a.steps, dev))
@@ -192,15 +192,15 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001  (reported in the row; ComfyUI's path stands alone)
             row["floor_error"] = f"{type(e).__name__}: {e}"[:300]
             print(f"\n{tokens:,} tokens: ComfyUI {comfy_s:.3f} s/step; floor failed: {row['floor_error']}")
-            common.write_json(a.json, a.out)
+            common.write_json(a.json, out)
             continue
         row.update(floor_s=floor_s, ratio=comfy_s / floor_s, floor_enqueue_s=enqueue_s,
                    floor_totals=totals(pf), floor_ops=pf["ops"])
         print(f"\n{tokens:,} tokens: ComfyUI {comfy_s:.3f} s/step, floor {floor_s:.3f} s/step "
               f"(x{comfy_s / floor_s:.3f}); floor's forward enqueues in {enqueue_s:.3f} s")
         show(f"{tokens:,} tokens: ComfyUI path against the floor", {"ComfyUI path": pc, "floor": pf}, cuda, a.top)
-        common.write_json(a.json, a.out)
-    ringswap_rows(a, patcher, rows, cuda)
+        common.write_json(a.json, out)
+    ringswap_rows(a, patcher, rows, cuda, out)
 
 
 if __name__ == "__main__":
