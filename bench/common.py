@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -230,6 +231,7 @@ def env_info(dev: torch.device) -> dict:
             "cpus": os.cpu_count()}
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
+        info["gpu_uuid"] = str(getattr(torch.cuda.get_device_properties(dev), "uuid", "")) or None   # which card
     try:
         import comfyui_version
         info["comfyui"] = comfyui_version.__version__
@@ -328,18 +330,26 @@ def start(a, child) -> bool:
     return False
 
 
-def sample_steps(model, tokens: int, steps: int, ctx_len: int) -> list[float]:
+def sample_steps(model, tokens: int, steps: int, ctx_len: int,
+                 on_step: Callable[[int], None] | None = None) -> list[float]:
     """Seconds per step of ComfyUI's own sampling path (comfy.sample.sample, euler, cfg 1:
-    one model call per step), from the step callback's time stamps."""
+    one model call per step), from the step callback's time stamps; `on_step(i)` runs in
+    that callback after step i's time stamp."""
     import comfy.sample
     f, h, w = latent_shape(tokens)
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(1, 16, f, h, w, generator=g)
     cond = [[torch.randn(1, ctx_len, 4096, generator=g), {}]]
     stamps = []
+
+    def step_done(i: int, *_) -> None:
+        stamps.append(time.perf_counter())
+        if on_step is not None:
+            on_step(i)
+
     t0 = time.perf_counter()
     comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", cond, cond, torch.zeros_like(noise),
-                        callback=lambda *_: stamps.append(time.perf_counter()), disable_pbar=True, seed=0)
+                        callback=step_done, disable_pbar=True, seed=0)
     return [b - a_ for a_, b in zip([t0] + stamps[:-1], stamps)]
 
 

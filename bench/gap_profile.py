@@ -5,7 +5,7 @@ direct forward of the same, fully resident WanModel (the floor), same inputs' sh
 One process, one load: Load Diffusion Model (a model_file.py Wan-14B-shaped file), every
 weight on the GPU (load_models_gpu), warm-up, then per token count: the median wall time
 of --steps steps each way, host enqueue time of the direct forward, and one profiled step
-each way (ComfyUI's: a one-step sampling run, its setup included). Printed: totals (wall,
+each way (ComfyUI's: the second step of a two-step sampling run, a step mid-run). Printed: totals (wall,
 device kernel time, CPU self time, kernel and cast counts) and the top differences by name
 (device time, then CPU time), so a cast, an extra kernel or host-side work shows up by name.
 With --windows, then RingSwap Patch at each window (prefetch 1) against the resident step,
@@ -33,20 +33,44 @@ from model_file import wan14b_file  # noqa: E402
 CAST_OPS = ("aten::to", "aten::_to_copy", "aten::copy_", "aten::type_as")
 
 
+def _activities(cuda: bool) -> list:
+    return [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+
+
+def _ops(prof) -> dict:
+    return {e.key: {"count": e.count, "device_ms": getattr(e, "self_device_time_total", 0) / 1e3,
+                    "cpu_ms": e.self_cpu_time_total / 1e3} for e in prof.key_averages()}
+
+
 def profile(fn, cuda: bool) -> dict:
     """name -> {count, device_ms, cpu_ms} of one call of fn (self times), plus the wall."""
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=_activities(cuda)) as prof:
         fn()
         if cuda:
             torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    ops = {}
-    for e in prof.key_averages():
-        ops[e.key] = {"count": e.count, "device_ms": getattr(e, "self_device_time_total", 0) / 1e3,
-                      "cpu_ms": e.self_cpu_time_total / 1e3}
-    return {"wall_s": wall, "ops": ops}
+    return {"wall_s": wall, "ops": _ops(prof)}
+
+
+def steady_profile(model, tokens: int, ctx_len: int, cuda: bool) -> dict:
+    """As profile(), over the second step of a two-step sampling run of ComfyUI's path: a
+    step in the middle of a run (no load, placement or run start in it)."""
+    prof = torch.profiler.profile(activities=_activities(cuda))
+    wall = {}
+
+    def on_step(i: int) -> None:
+        if cuda:
+            torch.cuda.synchronize()
+        if i == 0:
+            prof.start()
+            wall["t0"] = time.perf_counter()
+        elif i == 1:
+            prof.stop()
+            wall["s"] = time.perf_counter() - wall["t0"]
+
+    common.sample_steps(model, tokens, 2, ctx_len, on_step)
+    return {"wall_s": wall["s"], "ops": _ops(prof)}
 
 
 def totals(p: dict) -> dict:
@@ -117,13 +141,10 @@ def ringswap_rows(a, patcher, rows: dict, cuda: bool, out: dict) -> None:
         (rs,) = RingSwapPatch().patch(patcher, window, 1, "auto")
         stats = keep_run_stats(rs)
         for tokens, row in rows.items():
-            def rs_step() -> None:
-                common.sample_steps(rs, tokens, 1, a.ctx_len)
-
-            rs_step()
+            common.sample_steps(rs, tokens, 1, a.ctx_len)
             rs_s = statistics.median(common.sample_steps(rs, tokens, a.steps + 1, a.ctx_len)[1:])
             line = stats[-1].line() if stats else ""
-            pr = profile(rs_step, cuda)
+            pr = steady_profile(rs, tokens, a.ctx_len, cuda)
             row.setdefault("ringswap", []).append({"window": window, "s": rs_s, "stats": line,
                                                     "totals": totals(pr), "ops": pr["ops"]})
             print(f"\n{tokens:,} tokens: RingSwap window {window} {rs_s:.3f} s/step against resident "
@@ -167,16 +188,13 @@ def main() -> None:
     for tokens in a.tokens:
         inputs = common.make_inputs(tokens, dev, common.compute_dtype(patcher, dev), a.ctx_len, 0)
 
-        def comfy_step() -> None:
-            common.sample_steps(patcher, tokens, 1, a.ctx_len)
-
         def floor_step() -> None:
             with torch.no_grad():
                 dm(*inputs)
 
-        comfy_step()
+        common.sample_steps(patcher, tokens, 1, a.ctx_len)
         comfy_s = statistics.median(common.sample_steps(patcher, tokens, a.steps + 1, a.ctx_len)[1:])
-        pc = profile(comfy_step, cuda)
+        pc = steady_profile(patcher, tokens, a.ctx_len, cuda)
         row = rows[tokens] = {"tokens": tokens, "comfy_s": comfy_s, "comfy_wall_s": pc["wall_s"],
                               "comfy_totals": totals(pc), "comfy_ops": pc["ops"]}
         out["rows"].append(row)

@@ -51,7 +51,7 @@ def test_targets_of_the_measured_cells():
     assert "not transfer-bound (copies 0.384 s < resident step 0.441 s): 83% of link of at most 87%" in bound
     assert "<= 1.01" not in bound   # that target is for 24 GiB only
     other = _line(lines, "- bf16 24 GiB rs-patch-0.33-dyn 32,760 tokens")
-    assert "SLOWER vs diffusers (other ComfyUI) 3.090" in other and "ok vs comfy-0.33-dyn 4.001" in other
+    assert "SLOWER (+27.9%) vs diffusers (other ComfyUI) 3.090" in other and "ok vs comfy-0.33-dyn 4.001" in other
 
 
 def test_a_transfer_bound_cell_is_held_to_ninety_percent_of_the_link():
@@ -65,11 +65,24 @@ def test_a_transfer_bound_cell_is_held_to_ninety_percent_of_the_link():
     assert "transfer-bound: 83% of link (MISSED >= 90%)" in compare_targets.targets(cells, LINK)
 
 
-@pytest.mark.parametrize("held_blocks, workers", [(6.0, 2), (14.0, 8)])
-def test_disk_rss_is_counted_in_blocks(held_blocks, workers):
+@pytest.mark.parametrize("held_blocks, workers, verdict", [(6.0, 2, "ok"), (14.0, 8, "ok"), (34.0, 2, "MISSED")])
+def test_disk_rss_is_counted_in_blocks(held_blocks, workers, verdict):
     disk = copy.deepcopy(_cell("rs-patch-0.3.75", 24.0))
     disk["config"] = "rs-disk-0.3.75"
     row = disk["rows"][0]   # 29 resident + 11 streamed
     row["rss_steady"] = disk["rss_base"] + int(held_blocks * disk["file_bytes"] / 40)
     line = _line(compare_targets.targets([disk], LINK, workers), "- bf16 24 GiB rs-disk-0.3.75 7,800 tokens")
-    assert f"RSS {held_blocks:.1f} blocks' worth (window + prefetch + readers = {29 + 2 + workers}" in line
+    assert f"RSS {held_blocks:.1f} blocks' worth ({verdict} <= {29 + 2 + workers}: window + prefetch" in line
+
+
+def test_disk_is_held_to_the_disks_own_rate_not_to_the_link_or_a_peer():
+    disk = copy.deepcopy(_cell("rs-patch-0.3.75", 24.0))
+    disk["config"] = "rs-disk-0.3.75"
+    disk["odirect"] = [{"threads": 1, "gbps": 1.45}, {"threads": 8, "gbps": 1.27}]
+    row = disk["rows"][0]
+    row["s_per_step"], row["read_bytes_per_step"] = 6.5, 6.5 * 1.305e9
+    cells = [c for c in MEASURED["cells"] if c["cap_gib"] == 24.0] + [disk]
+    line = _line(compare_targets.targets(cells, LINK), "- bf16 24 GiB rs-disk-0.3.75 7,800 tokens")
+    assert line.startswith("- bf16 24 GiB rs-disk-0.3.75 7,800 tokens 6.500 s/step: disk read 1.30 GB/s = 90% "
+                           "of the disk's O_DIRECT 1.45 GB/s; RSS ")
+    assert "resident" not in line.split("RSS")[0] and " vs " not in line and "link" not in line
