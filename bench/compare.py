@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
 from compare_child import CONFIGS, child  # noqa: E402
-from compare_table import table  # noqa: E402
+from compare_table import rounds_joined, table  # noqa: E402
 from compare_targets import targets  # noqa: E402
 
 # (configuration, cap GiB or None = each of --caps); 0 = no cap
@@ -67,6 +67,8 @@ def plan_cells(a) -> list[dict]:
             if (fmt, name, cap) not in seen:
                 seen.add((fmt, name, cap))
                 cells.append({"format": fmt, "config": name, "cap_gib": cap})
+    if a.repeat > 1:   # whole rounds, so a drift of the machine spreads over every cell alike
+        cells = [dict(c, round=r) for r in range(a.repeat) for c in cells]
     return cells
 
 
@@ -125,8 +127,9 @@ def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
 
 
 def save(a, cells: list[dict], env: dict) -> str:
-    out = table(cells, small=a.small, link_gbps=env.get("h2d_gbps"))
-    judged = targets(cells, env.get("h2d_gbps"), a.workers)
+    joined = rounds_joined(cells)
+    out = table(joined, small=a.small, link_gbps=env.get("h2d_gbps"))
+    judged = targets(joined, env.get("h2d_gbps"), a.workers)
     out += "\n\nTargets:\n" + judged if judged else ""
     common.write_json(a.json, {"env": env, "args": vars(a), "cells": cells, "table": out})
     if a.md:
@@ -144,7 +147,7 @@ def merge(a) -> None:
             data = json.load(f)
         env = data.get("env", env)
         for c in data["cells"]:
-            key = (c["format"], c["config"], c["cap_gib"])
+            key = (c["format"], c["config"], c["cap_gib"], c.get("round", 0))
             if key not in cells or "rows" in c or "rows" not in cells[key]:
                 cells[key] = c
     print(save(a, list(cells.values()), env))
@@ -158,6 +161,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="these instead of --groups")
     ap.add_argument("--caps", type=float, nargs="+", default=None, help="GiB left free; 0 = no cap; default 24 12")
     ap.add_argument("--steps", type=int, default=4, help="timed steps after the first (reported apart)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every cell this many times, in whole rounds; the table shows each row's median")
     ap.add_argument("--disk-steps", type=int, default=1, help="the same for home=disk")
     ap.add_argument("--workers", type=int, default=8, help="disk_workers of the disk cells")
     ap.add_argument("--window", type=int, default=0, help="RingSwap's window (0: auto, the configuration measured)")
@@ -206,7 +211,8 @@ def main() -> None:
             cell["skipped"] = f"not run (budget): ~{est:.0f} s > {max(0.0, left):.0f} s left"
             common.say(f"[compare] {fmt}/{cell['config']}@{cell['cap_gib']:g}: {cell['skipped']}")
         else:
-            common.say(f"[compare] {fmt}/{cell['config']}@{cell['cap_gib']:g} (~{est:.0f} s)")
+            common.say(f"[compare] {fmt}/{cell['config']}@{cell['cap_gib']:g}"
+                       + (f" round {cell['round'] + 1}" if "round" in cell else "") + f" (~{est:.0f} s)")
             run_cell(a, cell, paths[fmt], deadline)
             measured[(CONFIGS[cell["config"]].kind, fmt)] = cell["cell_wall_s"]
             if "error" in cell:

@@ -3,11 +3,35 @@ floor (WanModel alone, resident) and to ComfyUI-resident of the same ComfyUI ver
 the first step, load time, peak VRAM, host RSS (peak / steady) and pinned bytes."""
 from __future__ import annotations
 
+import statistics
+
 from common import fmt_num, gb, md_table
 from compare_child import CONFIGS
 
 HEADERS = ["format", "cap GiB", "configuration", "tokens", "s/step", "x floor", "x ComfyUI resident",
            "first step s", "load s", "peak VRAM GB (torch)", "host RSS peak / steady GB", "pinned GB", "note"]
+
+
+def rounds_joined(cells: list[dict]) -> list[dict]:
+    """The cells of several rounds (--repeat) as one cell per format, configuration and cap:
+    the first measured round's cell, each row's s/step the median over the measured rounds
+    and the rounds' own values kept in `s_rounds`."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["format"], c["config"], c["cap_gib"]), []).append(c)
+    out = []
+    for group in groups.values():
+        measured = [c for c in group if "rows" in c]
+        if len(measured) < 2:
+            out.append(measured[0] if measured else group[0])
+            continue
+        joined = dict(measured[0], rows=[])
+        for r in measured[0]["rows"]:
+            runs = [x.get("s_per_step") for c in measured for x in c["rows"] if x["tokens"] == r["tokens"]]
+            runs = [v for v in runs if v]
+            joined["rows"].append(dict(r, s_per_step=statistics.median(runs) if runs else None, s_rounds=runs))
+        out.append(joined)
+    return out
 
 
 def speeds_of(cells: list[dict]) -> dict:
@@ -27,6 +51,8 @@ def resident_of(cfg) -> str:
 
 def _note(c: dict, r: dict, link_gbps: float | None) -> str:
     bits = []
+    if len(r.get("s_rounds") or []) > 1:
+        bits.append("median of rounds " + " / ".join(f"{v:.3f}" for v in r["s_rounds"]))
     if r.get("plan"):
         bits.append(r["plan"][:90])
     s = r.get("s_per_step")

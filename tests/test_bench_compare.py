@@ -86,3 +86,23 @@ def test_disk_is_held_to_the_disks_own_rate_not_to_the_link_or_a_peer():
     assert line.startswith("- bf16 24 GiB rs-disk-0.3.75 7,800 tokens 6.500 s/step: disk read 1.30 GB/s = 90% "
                            "of the disk's O_DIRECT 1.45 GB/s; RSS ")
     assert "resident" not in line.split("RSS")[0] and " vs " not in line and "link" not in line
+
+
+def test_rounds_of_a_cell_are_joined_into_their_median():
+    one = _cell("rs-patch-0.3.75", 24.0)
+    rounds = []
+    for r, s in enumerate((0.451, 0.440, 0.446)):
+        c = copy.deepcopy(one)
+        c["round"] = r
+        c["rows"][0]["s_per_step"] = s
+        rounds.append(c)
+    rounds[1]["rows"] = rounds[1]["rows"][:1]   # a round that measured one workload only
+    joined = compare_table.rounds_joined(rounds + [_cell("comfy-0.3.75", 0.0)])
+    assert [c["config"] for c in joined] == ["rs-patch-0.3.75", "comfy-0.3.75"]
+    first, second = joined[0]["rows"]
+    assert first["s_per_step"] == 0.446 and first["s_rounds"] == [0.451, 0.440, 0.446]
+    assert second["s_rounds"] == [one["rows"][1]["s_per_step"]] * 2
+    row = _line(compare_table.table(joined, link_gbps=LINK),
+                "| bf16 | 24 | rs-patch-0.3.75: RingSwap Patch, auto window, ComfyUI 0.3.75 | 7,800 |")
+    assert "| 0.446 |" in row and "median of rounds 0.451 / 0.440 / 0.446" in row
+    assert "x1.011 resident" in compare_targets.targets(joined, LINK)   # 0.446 / 0.441
