@@ -51,10 +51,21 @@ EST_S = {"floor": 62, "comfy": 70, "diffusers": 85, "patch": 75, "loader": 75, "
 FORMAT_SCALE = {"bf16": 1.0, "scaled_fp8": 0.7, "fp32": 2.0}
 
 
+def config_at(arg: str) -> tuple[str, float | None]:
+    """--configs entry: NAME (at each of --caps; the floor uncapped) or NAME@CAP (that cap only)."""
+    name, _, cap = arg.partition("@")
+    if name not in CONFIGS:
+        raise SystemExit(f"compare.py: --configs {arg}: unknown configuration {name!r} (one of {', '.join(CONFIGS)})")
+    try:
+        return name, (float(cap) if cap else 0 if name == "floor" else None)
+    except ValueError:
+        raise SystemExit(f"compare.py: --configs {arg}: the cap after @ must be GiB (e.g. {name}@24)") from None
+
+
 def plan_cells(a) -> list[dict]:
     """The cells to run, in priority order, without repeats."""
     if a.configs:
-        picked = [(n, 0 if n == "floor" else None) for n in a.configs]
+        picked = [config_at(n) for n in a.configs]
     else:
         picked = [e for g in a.groups for e in GROUPS[g]]
     fixed = [(n, c) for n, c in picked if c is not None]
@@ -158,7 +169,8 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=None, choices=["bf16", "scaled_fp8", "fp32"],
                     help="default bf16 (--small: fp32, since 0.33's dynamic VRAM on a CPU runs bf16 weights uncast)")
     ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="these instead of --groups")
+    ap.add_argument("--configs", nargs="+", metavar="NAME[@CAP]",
+                    help=f"these instead of --groups ({', '.join(CONFIGS)}); @CAP: at that cap only")
     ap.add_argument("--caps", type=float, nargs="+", default=None, help="GiB left free; 0 = no cap; default 24 12")
     ap.add_argument("--steps", type=int, default=4, help="timed steps after the first (reported apart)")
     ap.add_argument("--repeat", type=int, default=1,

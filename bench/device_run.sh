@@ -16,7 +16,9 @@
 # .comfyui-0.33-device in carry): compare-base (floor + ComfyUI resident, bf16, ~5 min),
 # compare-24-peers / compare-24-rs / compare-12-peers / compare-12-rs (ComfyUI, diffusers /
 # RingSwap at that cap, ~6 min each), compare-disk (home disk at 24 and 12, ~8 min),
-# compare-fp8-base (~4 min), compare-fp8-24 (~8 min); a cell that does not fit is listed
+# compare-fp8-base (~4 min), compare-fp8-24 (~7 min), compare-fp8-12 (the peers and Loaders at 12 GiB,
+# ~6 min), compare-repeat (the 24 GiB 7,800-token cells and their resident runs, two rounds, ~8 min:
+# cross-process spread against a miss); a cell that does not fit is listed
 # "not run (budget)". Join the parts' JSON here: python3 bench/compare.py --merge A B ...
 # compare:NAME:SECONDS:ARGS (ARGS comma-separated compare.py arguments, e.g.
 # compare:a:300:--configs,comfy-0.33-dyn,--caps,0,24) for cells packed into one call.
@@ -82,6 +84,8 @@ for p in "$@"; do
     compare-disk) compare disk 480 --groups disk --caps 24 12 ;;
     compare-fp8-base) compare fp8_base 300 --formats scaled_fp8 --groups base ;;
     compare-fp8-24) compare fp8_24 540 --formats scaled_fp8 --groups peers ringswap --caps 24 ;;
+    compare-fp8-12) compare fp8_12 480 --formats scaled_fp8 --configs comfy-0.3.75 comfy-0.33-dyn comfy-0.33 diffusers rs-loader-0.3.75 rs-loader-0.33-dyn --caps 12 ;;
+    compare-repeat) compare repeat 560 --tokens 7800 --repeat 2 --configs comfy-0.3.75@0 rs-patch-0.3.75@24 rs-loader-0.3.75@24 comfy-0.33-dyn@0 rs-patch-0.33-dyn@24 ;;
     families) part families 330 0.3.75 0 python3 bench/families.py --json "$OUT/families_075.json" ;;
     families-033-dyn) part families_033_dyn 330 0.33 1 python3 bench/families.py --json "$OUT/families_033dyn.json" ;;
     vace-033-dyn) part vace_033_dyn 200 0.33 1 python3 bench/families.py --families wan_vace_14b \
@@ -92,7 +96,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-smoke families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-smoke families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do

@@ -106,3 +106,18 @@ def test_rounds_of_a_cell_are_joined_into_their_median():
                 "| bf16 | 24 | rs-patch-0.3.75: RingSwap Patch, auto window, ComfyUI 0.3.75 | 7,800 |")
     assert "| 0.446 |" in row and "median of rounds 0.451 / 0.440 / 0.446" in row
     assert "x1.011 resident" in compare_targets.targets(joined, LINK)   # 0.446 / 0.441
+
+
+def test_configs_name_their_own_cap_and_rounds_repeat_whole():
+    import argparse
+    import compare
+    a = argparse.Namespace(configs=["comfy-0.3.75@0", "rs-patch-0.3.75@24", "rs-loader-0.3.75", "floor"],
+                           groups=[], formats=["bf16"], caps=[24.0, 12.0], repeat=2)
+    cells = [(c["config"], c["cap_gib"], c.get("round")) for c in compare.plan_cells(a)]
+    once = [("comfy-0.3.75", 0.0), ("rs-patch-0.3.75", 24.0), ("floor", 0), ("rs-loader-0.3.75", 24.0),
+            ("rs-loader-0.3.75", 12.0)]
+    assert cells == [n + (0,) for n in once] + [n + (1,) for n in once]
+    with pytest.raises(SystemExit, match="unknown configuration 'rs-patch'"):
+        compare.config_at("rs-patch@24")
+    with pytest.raises(SystemExit, match="the cap after @ must be GiB"):
+        compare.config_at("floor@none")
