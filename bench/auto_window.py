@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import sys
 import time
 
@@ -56,7 +55,7 @@ def child(a) -> dict:
         plan = next((ln for ln in new if ln.startswith("RingSwap plan:")), "")
         summary = next((ln for ln in new if ln.startswith("RingSwap run:")), "")
         row.update(first_step_s=times[0] if times else None,
-                   s_per_step=statistics.median(times[1:]) if len(times) > 1 else None,
+                   s_per_step=common.steady_s(times),
                    window=int(m.group(1)) if (m := re.search(r"window (\d+) of", plan)) else None,
                    shrinks=re.findall(r"out of memory: window (\d+) -> (\d+)", summary), plan=plan, run=summary)
         if torch.cuda.is_available():

@@ -334,7 +334,10 @@ def sample_steps(model, tokens: int, steps: int, ctx_len: int,
                  on_step: Callable[[int], None] | None = None) -> list[float]:
     """Seconds per step of ComfyUI's own sampling path (comfy.sample.sample, euler, cfg 1:
     one model call per step), from the step callback's time stamps; `on_step(i)` runs in
-    that callback after step i's time stamp."""
+    that callback after step i's time stamp. The device is synchronised before the first
+    and the last stamp only: a path that never waits for the GPU runs ahead of it by a
+    varying part of a step (its second step reads short), so only the sum of the steps
+    after the first is exact: see steady_s."""
     import comfy.sample
     f, h, w = latent_shape(tokens)
     g = torch.Generator().manual_seed(0)
@@ -342,7 +345,11 @@ def sample_steps(model, tokens: int, steps: int, ctx_len: int,
     cond = [[torch.randn(1, ctx_len, 4096, generator=g), {}]]
     stamps = []
 
+    dev = getattr(model, "load_device", None)
+
     def step_done(i: int, *_) -> None:
+        if i in (0, steps - 1) and isinstance(dev, torch.device):
+            sync(dev)
         stamps.append(time.perf_counter())
         if on_step is not None:
             on_step(i)
@@ -351,6 +358,13 @@ def sample_steps(model, tokens: int, steps: int, ctx_len: int,
     comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", cond, cond, torch.zeros_like(noise),
                         callback=step_done, disable_pbar=True, seed=0)
     return [b - a_ for a_, b in zip([t0] + stamps[:-1], stamps)]
+
+
+def steady_s(times: list[float]) -> float | None:
+    """s/step after the first (warm-up, load) step: the mean of the others, exact between
+    sample_steps' two synchronisations (a median of unsynchronised steps is not)."""
+    rest = times[1:]
+    return sum(rest) / len(rest) if rest else None
 
 
 def child_args(a, names: list[str]) -> list[str]:

@@ -11,14 +11,13 @@ Kinds of configuration:
   loader     RingSwap Model Loader, home ram (the same window, prefetch 1)
   disk       RingSwap Model Loader, home disk, page cache dropped before the load and
              before every workload
-Per workload: the first step apart, the median of the rest; host RSS sampled (peak, and
+Per workload: the first step apart, the mean of the rest (common.steady_s); host RSS sampled (peak, and
 steady = after the workload's last step); device memory in use above what it was when the
 child started (sampled, sees allocations outside torch too), torch's own peak; pinned bytes.
 """
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -141,7 +140,7 @@ def child(a) -> dict:
         row = {"tokens": tokens}
         try:
             times = time_steps(obj, how, patcher, tokens, 1 + steps, a, dev)
-            row.update(first_step_s=times[0], steps=times, s_per_step=statistics.median(times[1:] or times))
+            row.update(first_step_s=times[0], steps=times, s_per_step=common.steady_s(times) or times[0])
         except torch.OutOfMemoryError as e:
             row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
         row.update(rss_steady=common.rss_bytes(), rss_peak=sampler.peak, pinned=common.pinned_bytes(),

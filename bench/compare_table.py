@@ -1,6 +1,7 @@
-"""bench/compare.py's one table: per cell and workload the median s/step, its ratio to the
-floor (WanModel alone, resident) and to ComfyUI-resident of the same ComfyUI version, and
-the first step, load time, peak VRAM, host RSS (peak / steady) and pinned bytes."""
+"""bench/compare.py's one table: per cell and workload the s/step (the mean after the first
+step), its ratio to the floor (WanModel alone, resident) and to ComfyUI-resident of the same
+ComfyUI version, and the first step, load time, peak VRAM, host RSS (peak / steady) and
+pinned bytes."""
 from __future__ import annotations
 
 import statistics

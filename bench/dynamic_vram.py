@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -58,7 +57,7 @@ def child(a) -> dict:
     out = {"config": a.child, "patcher": type(model).__name__, "load_s": load_s, "rows": []}
     for tokens in a.tokens:
         steps = common.sample_steps(model, tokens, a.steps, a.ctx_len)
-        row = {"tokens": tokens, "first_step_s": steps[0], "s_per_step": statistics.median(steps[1:]),
+        row = {"tokens": tokens, "first_step_s": steps[0], "s_per_step": common.steady_s(steps),
                "steps": steps}
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()

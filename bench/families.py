@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -86,7 +85,7 @@ def sample(model, noise, cond, steps: int, lines: RingSwapLines) -> dict:
     times = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
     new = lines.lines[start:]
     row.update(first_step_s=times[0] if times else None,
-               s_per_step=statistics.median(times[1:]) if len(times) > 1 else None,
+               s_per_step=common.steady_s(times),
                plan=next((ln for ln in new if ln.startswith("RingSwap plan:")), ""),
                run=next((ln for ln in new if ln.startswith("RingSwap run:")), ""))
     if torch.cuda.is_available():

@@ -3,7 +3,7 @@ step of ComfyUI's sampling path (comfy.sample.sample, euler, cfg 1: one model ca
 direct forward of the same, fully resident WanModel (the floor), same inputs' shapes.
 
 One process, one load: Load Diffusion Model (a model_file.py Wan-14B-shaped file), every
-weight on the GPU (load_models_gpu), warm-up, then per token count: the median wall time
+weight on the GPU (load_models_gpu), warm-up, then per token count: the mean wall time
 of --steps steps each way, host enqueue time of the direct forward, and one profiled step
 each way (ComfyUI's: the second step of a two-step sampling run, a step mid-run). Printed: totals (wall,
 device kernel time, CPU self time, kernel and cast counts) and the top differences by name
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -142,7 +141,7 @@ def ringswap_rows(a, patcher, rows: dict, cuda: bool, out: dict) -> None:
         stats = keep_run_stats(rs)
         for tokens, row in rows.items():
             common.sample_steps(rs, tokens, 1, a.ctx_len)
-            rs_s = statistics.median(common.sample_steps(rs, tokens, a.steps + 1, a.ctx_len)[1:])
+            rs_s = common.steady_s(common.sample_steps(rs, tokens, a.steps + 1, a.ctx_len))
             line = stats[-1].line() if stats else ""
             pr = steady_profile(rs, tokens, a.ctx_len, cuda)
             row.setdefault("ringswap", []).append({"window": window, "s": rs_s, "stats": line,
@@ -159,7 +158,7 @@ def main() -> None:
     ap = common.base_parser(__doc__)
     ap.add_argument("--format", default=None, choices=["bf16", "scaled_fp8", "fp32"],
                     help="default bf16 (--small: fp32, as 0.33's dynamic VRAM on a CPU runs bf16 uncast)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps each way (median)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps each way (mean)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--windows", type=int, nargs="*", default=[], help="RingSwap Patch windows to profile too")
     ap.add_argument("--diff", nargs=2, default=None, help="two earlier runs' JSON: compare, no GPU")
@@ -193,14 +192,14 @@ def main() -> None:
                 dm(*inputs)
 
         common.sample_steps(patcher, tokens, 1, a.ctx_len)
-        comfy_s = statistics.median(common.sample_steps(patcher, tokens, a.steps + 1, a.ctx_len)[1:])
+        comfy_s = common.steady_s(common.sample_steps(patcher, tokens, a.steps + 1, a.ctx_len))
         pc = steady_profile(patcher, tokens, a.ctx_len, cuda)
         row = rows[tokens] = {"tokens": tokens, "comfy_s": comfy_s, "comfy_wall_s": pc["wall_s"],
                               "comfy_totals": totals(pc), "comfy_ops": pc["ops"]}
         out["rows"].append(row)
         try:   # under dynamic VRAM a direct call of the module is not a path ComfyUI promises
             floor_step()
-            floor_s = statistics.median(common.step_times(dm, inputs, a.steps, dev))
+            floor_s = common.steady_s(common.step_times(dm, inputs, a.steps + 1, dev))
             common.sync(dev)
             t0 = time.perf_counter()
             floor_step()

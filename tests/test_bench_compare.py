@@ -121,3 +121,12 @@ def test_configs_name_their_own_cap_and_rounds_repeat_whole():
         compare.config_at("rs-patch@24")
     with pytest.raises(SystemExit, match="the cap after @ must be GiB"):
         compare.config_at("floor@none")
+
+
+def test_steady_s_is_the_mean_after_the_first_step():
+    import common
+    # ComfyUI resident, bf16, 7,800 tokens, as measured: the second step reads short because
+    # the CPU ran ahead of the GPU; the median of the last four would say 0.441
+    assert common.steady_s([6.834, 0.2, 0.454, 0.435, 0.448]) == pytest.approx(0.38425)
+    assert common.steady_s([2.0, 0.45, 0.44]) == pytest.approx(0.445)
+    assert common.steady_s([3.0]) is None
