@@ -5,9 +5,10 @@ direct forward of the same, fully resident WanModel (the floor), same inputs' sh
 One process, one load: Load Diffusion Model (a model_file.py Wan-14B-shaped file), every
 weight on the GPU (load_models_gpu), warm-up, then per token count: the mean wall time
 of --steps steps each way, host enqueue time of the direct forward, and one profiled step
-each way (ComfyUI's: the second step of a two-step sampling run, a step mid-run). Printed: totals (wall,
-device kernel time, CPU self time, kernel and cast counts) and the top differences by name
-(device time, then CPU time), so a cast, an extra kernel or host-side work shows up by name.
+each way (ComfyUI's: the second step of a two-step sampling run, a step mid-run). Printed:
+totals (wall, device kernel time, CPU self time, kernel and cast counts) and the top
+differences by name (device time, then CPU time), so a cast, an extra kernel or host-side
+work shows up by name.
 With --windows, then RingSwap Patch at each window (prefetch 1) against the resident step,
 in the same process (what streaming costs, by kernel). RINGSWAP_DYNAMIC_VRAM=1 starts 0.33's
 dynamic VRAM; --diff compares the profiles of two such runs (e.g. dynamic against static).
