@@ -55,22 +55,11 @@ def profile(fn, cuda: bool) -> dict:
 
 def steady_profile(model, tokens: int, ctx_len: int, cuda: bool) -> dict:
     """As profile(), over the second step of a two-step sampling run of ComfyUI's path: a
-    step in the middle of a run (no load, placement or run start in it)."""
+    step in the middle of a run (no load, placement or run start in it). sample_steps has
+    synchronised the device before both stamps, so the second step's time is its wall."""
     prof = torch.profiler.profile(activities=_activities(cuda))
-    wall = {}
-
-    def on_step(i: int) -> None:
-        if cuda:
-            torch.cuda.synchronize()
-        if i == 0:
-            prof.start()
-            wall["t0"] = time.perf_counter()
-        elif i == 1:
-            prof.stop()
-            wall["s"] = time.perf_counter() - wall["t0"]
-
-    common.sample_steps(model, tokens, 2, ctx_len, on_step)
-    return {"wall_s": wall["s"], "ops": _ops(prof)}
+    times = common.sample_steps(model, tokens, 2, ctx_len, lambda i: prof.start() if i == 0 else prof.stop())
+    return {"wall_s": times[1], "ops": _ops(prof)}
 
 
 def totals(p: dict) -> dict:
