@@ -97,7 +97,7 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
     # on the CPU a ballast holds nothing: RingSwap's cap is emulated by a window of 2 blocks
     window = 2 if a.small and cell["cap_gib"] else a.window
     opts = ["--child", cell["config"], "--path", path, "--window", str(window),
-            *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens"])]
+            *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun"])]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
     if runtime(a) == "device":
@@ -175,6 +175,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="timed steps after the first (reported apart)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every cell this many times, in whole rounds; the table shows each row's median")
+    ap.add_argument("--rerun", action="store_true",
+                    help="after each workload, one more 2-step run: the next prompt's first step (load again)")
     ap.add_argument("--disk-steps", type=int, default=1, help="the same for home=disk")
     ap.add_argument("--workers", type=int, default=8, help="disk_workers of the disk cells")
     ap.add_argument("--window", type=int, default=0, help="RingSwap's window (0: auto, the configuration measured)")

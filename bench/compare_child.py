@@ -11,7 +11,8 @@ Kinds of configuration:
   loader     RingSwap Model Loader, home ram (the same window, prefetch 1)
   disk       RingSwap Model Loader, home disk, page cache dropped before the load and
              before every workload
-Per workload: the first step apart, the mean of the rest (common.steady_s); host RSS sampled (peak, and
+Per workload: the first step apart, the mean of the rest (common.steady_s); with --rerun, one
+more 2-step sampling run (the next prompt: its first step, what ComfyUI's load costs again); host RSS sampled (peak, and
 steady = after the workload's last step); device memory in use above what it was when the
 child started (sampled, sees allocations outside torch too), torch's own peak; pinned bytes.
 """
@@ -155,6 +156,10 @@ def child(a) -> dict:
             runs.clear()
             row.update(stats_line=st.line(), calls=st.calls, h2d_bytes_per_step=st.bytes_copied / max(1, st.calls),
                        copy_gbps=st.gbps, read_bytes_per_step=st.bytes_read / max(1, st.calls))
+        if a.rerun and "error" not in row:   # the next prompt at this size: its first step
+            again = time_steps(obj, how, patcher, tokens, 2, a, dev)
+            row.update(rerun_first_step_s=again[0], rerun_step_s=again[1])
+            runs.clear()
         out["rows"].append(row)
         common.say(f"[compare] {a.child} {tokens} tokens: {common.fmt_num(row.get('s_per_step'), '.3f')} s/step "
                    f"{row.get('error', '')}")

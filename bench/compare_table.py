@@ -62,6 +62,8 @@ def _note(c: dict, r: dict, link_gbps: float | None) -> str:
         bits.append(f"host->GPU {rate:.1f} GB/s per step wall"
                     + (f" ({100 * rate / link_gbps:.0f}% of pinned {link_gbps:.1f})" if link_gbps else "")
                     + f", copy stream {r['copy_gbps']:.1f} GB/s")
+    if r.get("rerun_first_step_s") is not None:
+        bits.append(f"next prompt: first step {r['rerun_first_step_s']:.3f} s, then {r['rerun_step_s']:.3f}")
     if r.get("read_bytes_per_step") and s:
         bits.append(f"disk read {gb(r['read_bytes_per_step']) / s:.2f} GB/s")
     if c.get("odirect"):

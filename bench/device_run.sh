@@ -84,8 +84,8 @@ for p in "$@"; do
     compare-disk) compare disk 480 --groups disk --caps 24 12 ;;
     compare-fp8-base) compare fp8_base 300 --formats scaled_fp8 --groups base ;;
     compare-fp8-24) compare fp8_24 540 --formats scaled_fp8 --groups peers ringswap --caps 24 ;;
-    compare-fp8-12) compare fp8_12 480 --formats scaled_fp8 --configs comfy-0.3.75 comfy-0.33-dyn comfy-0.33 diffusers rs-loader-0.3.75 rs-loader-0.33-dyn --caps 12 ;;
-    compare-repeat) compare repeat 560 --tokens 7800 --repeat 2 --configs comfy-0.3.75@0 rs-patch-0.3.75@24 rs-loader-0.3.75@24 comfy-0.33-dyn@0 rs-patch-0.33-dyn@24 ;;
+    compare-fp8-12) compare fp8_12 480 --formats scaled_fp8 --configs rs-loader-0.3.75 rs-loader-0.33-dyn diffusers comfy-0.3.75 comfy-0.33-dyn comfy-0.33 --caps 12 ;;
+    compare-repeat) compare repeat 560 --tokens 7800 --repeat 2 --rerun --configs comfy-0.3.75@0 rs-patch-0.3.75@24 rs-loader-0.3.75@24 comfy-0.33-dyn@0 rs-patch-0.33-dyn@24 ;;
     families) part families 330 0.3.75 0 python3 bench/families.py --json "$OUT/families_075.json" ;;
     families-033-dyn) part families_033_dyn 330 0.33 1 python3 bench/families.py --json "$OUT/families_033dyn.json" ;;
     vace-033-dyn) part vace_033_dyn 200 0.33 1 python3 bench/families.py --families wan_vace_14b \

@@ -3,8 +3,9 @@
 ComfyUI's loader keeps managing everything but the blocks: `_load_list` leaves the
 block modules out, so ComfyUI never moves or patches their weights; `load` attaches
 the swap engine (resident blocks + GPU slot ring) and reports its true VRAM to
-ComfyUI's memory accounting; unloading or detaching frees the ring. The engine lives
-on the diffusion model (shared by all clones), the settings on each patcher.
+ComfyUI's memory accounting; unloading, or another patcher of the model loading, frees
+the ring, while loading the same patcher again (every sampling run) keeps its blocks. The
+engine lives on the diffusion model (shared by all clones), the settings on each patcher.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import comfy.model_patcher
 
 from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ..swap.host_pool import set_pin_budget
+from ..swap.planner import NotEnoughVRAM
 from . import comfy_features as features
 from . import live_feed, run_plan
 from .block_lists import ALL_NAMES, find_block_lists
@@ -178,8 +180,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, *args, **kwargs):
         t0 = time.perf_counter()
+        self.__dict__.pop("_ringswap_reloading", None)
         switched = self._unload_other_rings()
-        device = torch.device(device_to) if device_to is not None else self.load_device
+        device = self._device(device_to)
         engine = self.swap_engine
         plan = run_plan.plan_for_load(self, device, full_load)
         self.__dict__["_ringswap_plan"] = plan
@@ -203,6 +206,12 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
                  engine.pool.nbytes / 1e9, time.perf_counter() - t0,
                  " (switched from another block-swapped model)" if switched else "")
 
+    def _device(self, device_to) -> torch.device:
+        device = torch.device(device_to) if device_to is not None else self.load_device
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
     def _block_folder(self, device: torch.device):
         """The LoRA fold to run on each block as it lands (None without block patches).
         Cached per patches_uuid and device, so re-attaching with unchanged patches keeps the ring."""
@@ -220,6 +229,12 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         engine = state.engine
         if engine.plan is not None:
             return state.nonblock_bytes + engine.device_bytes()
+        return self._size_before_attach()
+
+    def _size_before_attach(self) -> int:
+        """model_size() while the engine is not attached (ComfyUI's full-load test uses it)."""
+        state = self.swap_state
+        engine = state.engine
         if self.ringswap is not None and self.ringswap.window > 0:   # plan known before loading
             plan = ResidencyPlan.make(engine.num_blocks, min(self.ringswap.window, engine.num_blocks),
                                       self.ringswap.prefetch)
@@ -234,10 +249,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     def _release_engine(self) -> int:
         """Detach the engine if this patcher attached it (frees ring and resident blocks);
         returns the bytes freed and marks the model partially loaded so the next load
-        attaches again. ComfyUI detaches a model before every load of it (even of itself),
-        so this runs once per sampling run; the pinned home stays, so attaching again
-        costs only the resident blocks' copy. A sibling clone being evicted or
-        garbage-collected leaves the engine alone."""
+        attaches again. A sibling clone being evicted or garbage-collected leaves the
+        engine alone."""
         engine = self.swap_engine
         if sys.is_finalizing() or not self._owns_engine():
             return 0
@@ -260,10 +273,46 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self._release_folder()
         return super().unpatch_model(device_to, unpatch_weights, *args, **kwargs)
 
+    def is_clone(self, other):
+        # ComfyUI's load_models_gpu asks a model it loads again whether it is a clone of
+        # itself right before detaching it (unpatch_all=False): that detach keeps the blocks.
+        if other is self:
+            self.__dict__["_ringswap_reloading"] = True
+        return super().is_clone(other)
+
     def detach(self, unpatch_all=True, *args, **kwargs):
-        # Another patcher of the same model may load next: give the blocks back either way.
-        self._release_engine()
+        # Another patcher of the same model may load next: give the blocks back, unless
+        # this patcher is the one loading again (see is_clone).
+        reloading = self.__dict__.pop("_ringswap_reloading", False)
+        if unpatch_all or not reloading:
+            self._release_engine()
         return super().detach(unpatch_all, *args, **kwargs)
+
+    def partially_load(self, device_to, extra_memory=0, *args, **kwargs):
+        """Keep the blocks of the last run when this run's plan is the same (nothing is
+        copied again); a changed plan or too little VRAM (extra_memory < 0) takes them back
+        and ComfyUI loads the model again through `load`."""
+        self.__dict__.pop("_ringswap_reloading", None)
+        if not self._owns_engine():
+            return super().partially_load(device_to, extra_memory, *args, **kwargs)
+        engine = self.swap_engine
+        device = self._device(device_to)
+        full = self.model.model_loaded_weight_memory + extra_memory > self._size_before_attach()
+        try:
+            plan = run_plan.plan_for_load(self, device, full) if extra_memory >= 0 else None
+        except NotEnoughVRAM:   # load() plans again and fails with the message, nothing kept
+            plan = None
+        if plan is None or engine.att.device != device or plan.residency != engine.att.plan \
+                or self.model.current_weight_patches_uuid != self.patches_uuid or self.model.model_lowvram:
+            self._release_engine()
+            return super().partially_load(device_to, extra_memory, *args, **kwargs)
+        self.__dict__["_ringswap_plan"] = plan
+        out = super().partially_load(device_to, extra_memory, *args, **kwargs)
+        if not self._owns_engine():   # ComfyUI took the blocks back after all
+            return out
+        log.info("%s; %s memory, %.2f GB at home; kept on the device from the last run", plan.line(),
+                 engine.memory, engine.pool.nbytes / 1e9)
+        return out
 
     def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
         freed = self._release_engine()

@@ -150,3 +150,69 @@ def test_home_is_freed_with_the_model(experts):
     gc.collect()
     assert home() is None, "the host home outlived its model"
     assert reader._closed, "the file handles outlived the model"
+
+
+def _sample(model, seed=3):
+    (out,) = comfy_nodes.KSampler().sample(model, seed, 2, 1.0, "euler", "simple", conditioning(1),
+                                          conditioning(2), latent())
+    return out["samples"]
+
+
+def _plan_lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap plan:")]
+
+
+@pytest.mark.parametrize("home", ["ram", "disk"])
+def test_blocks_stay_on_the_device_between_runs(experts, home, caplog):
+    """ComfyUI re-attaches a loaded model to itself at every sampling run: the resident
+    blocks and the ring stay (nothing copied again), one plan line per run, same result."""
+    ref = _sample(load_stock(experts[0]))
+    comfy.model_management.unload_all_models()
+    model = load_swapped_model(experts[0], SwapSettings(2, 1), home=home, disk_workers=2)
+    engine = model.swap_engine
+    with caplog.at_level("INFO", logger="ringswap"):
+        assert torch.equal(_sample(model), ref)
+        att = engine.att
+        resident = [engine.states[i].device_buffer for i in att.plan.resident]
+        assert resident and all(b is not None for b in resident)
+        for _ in range(2):
+            assert torch.equal(_sample(model), ref)
+            assert engine.att is att, "the blocks were taken back between runs"
+            assert [engine.states[i].device_buffer for i in att.plan.resident] == resident
+    plans = _plan_lines(caplog)
+    assert len(plans) == 3 and all("kept on the device from the last run" in p for p in plans[1:]), plans
+    assert model.loaded_size() == model.model_size() == model.swap_state.nonblock_bytes + engine.device_bytes()
+
+
+def test_blocks_go_back_when_something_else_needs_them(experts, caplog):
+    """Short of VRAM, another patcher of the same model, the plain stock MODEL and
+    ComfyUI freeing memory each take the blocks back; every next run attaches afresh."""
+    stock = load_stock(experts[0])
+    ref = _sample(stock)
+    comfy.model_management.unload_all_models()
+    model = RingSwapPatch().patch(stock, 2, 1, "auto")[0]
+    engine = model.swap_engine
+    assert torch.equal(_sample(model), ref)
+
+    att = engine.att
+    model.partially_load(model.load_device, 2**40)            # room to spare: same plan, kept
+    assert engine.att is att
+    model.partially_load(model.load_device, -1)               # short of VRAM: taken back
+    assert engine.att is None
+    assert torch.equal(_sample(model), ref) and engine.att is not None
+
+    sibling = model.clone()
+    assert torch.equal(_sample(sibling), ref)
+    assert engine.att.owner() is sibling, "a sibling patcher ran on the other's attachment"
+    assert torch.equal(_sample(model), ref) and engine.att.owner() is model
+
+    if model.model is stock.model:   # ComfyUI 0.3.75 / static: the Patch shares the stock model
+        assert torch.equal(_sample(stock), ref)
+        assert engine.att is None, "the stock patcher ran with RingSwap's hooks on"
+        assert torch.equal(_sample(model), ref) and engine.att is not None
+
+    comfy.model_management.free_memory(1e30, comfy.model_management.get_torch_device())
+    assert engine.att is None
+    with caplog.at_level("INFO", logger="ringswap"):
+        assert torch.equal(_sample(model), ref)
+    assert engine.att is not None and len(_plan_lines(caplog)) == 1

@@ -37,7 +37,8 @@ def test_bit_exact_on_cuda_pinned(stock):
                         assert torch.equal(out, ref[k]), (pin, window, prefetch, k)
                 assert model.swap_engine.memory == memory
                 stats = model.swap_engine.end_run()
-                assert stats.forwards == len(model.swap_engine.plan.streamed) > 0
+                # one attachment for all four calls: the blocks stay between loads of the same MODEL
+                assert stats.forwards == 2 * len(x) * len(model.swap_engine.plan.streamed) > 0
                 assert stats.bytes_copied > 0 and stats.copy_s > 0
                 comfy.model_management.unload_all_models()
 
