@@ -290,29 +290,38 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def partially_load(self, device_to, extra_memory=0, *args, **kwargs):
         """Keep the blocks of the last run when this run's plan is the same (nothing is
-        copied again); a changed plan or too little VRAM (extra_memory < 0) takes them back
-        and ComfyUI loads the model again through `load`."""
+        copied again); otherwise take them back and let ComfyUI load the model through
+        `load`. ComfyUI counted the kept blocks as loaded, so `extra_memory` (what more it
+        offers) grows by what they free; the planner, not that number, decides the window,
+        as it does on every load."""
         self.__dict__.pop("_ringswap_reloading", None)
         if not self._owns_engine():
             return super().partially_load(device_to, extra_memory, *args, **kwargs)
-        engine = self.swap_engine
-        device = self._device(device_to)
-        full = self.model.model_loaded_weight_memory + extra_memory > self._size_before_attach()
-        try:
-            plan = run_plan.plan_for_load(self, device, full) if extra_memory >= 0 else None
-        except NotEnoughVRAM:   # load() plans again and fails with the message, nothing kept
-            plan = None
-        if plan is None or engine.att.device != device or plan.residency != engine.att.plan \
-                or self.model.current_weight_patches_uuid != self.patches_uuid or self.model.model_lowvram:
-            self._release_engine()
-            return super().partially_load(device_to, extra_memory, *args, **kwargs)
+        plan = self._plan_if_unchanged(device_to, extra_memory)
+        if plan is None:
+            freed = self._release_engine()
+            return super().partially_load(device_to, extra_memory + freed, *args, **kwargs)
         self.__dict__["_ringswap_plan"] = plan
-        out = super().partially_load(device_to, extra_memory, *args, **kwargs)
-        if not self._owns_engine():   # ComfyUI took the blocks back after all
-            return out
+        out = super().partially_load(device_to, max(0, extra_memory), *args, **kwargs)
+        engine = self.swap_engine
         log.info("%s; %s memory, %.2f GB at home; kept on the device from the last run", plan.line(),
                  engine.memory, engine.pool.nbytes / 1e9)
         return out
+
+    def _plan_if_unchanged(self, device_to, extra_memory: float):
+        """This run's plan when it is the attached one (same device, weight patches and
+        residency, the model fully loaded but for the blocks), else None."""
+        att = self.swap_engine.att
+        device = self._device(device_to)
+        if att.device != device or self.model.model_lowvram or \
+                self.model.current_weight_patches_uuid != self.patches_uuid:
+            return None
+        full = self.model.model_loaded_weight_memory + extra_memory > self._size_before_attach()
+        try:
+            plan = run_plan.plan_for_load(self, device, full)
+        except NotEnoughVRAM:   # load() plans again and fails with the message
+            return None
+        return plan if plan.residency == att.plan else None
 
     def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
         freed = self._release_engine()

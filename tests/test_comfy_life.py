@@ -197,7 +197,14 @@ def test_blocks_go_back_when_something_else_needs_them(experts, caplog):
     att = engine.att
     model.partially_load(model.load_device, 2**40)            # room to spare: same plan, kept
     assert engine.att is att
-    model.partially_load(model.load_device, -1)               # short of VRAM: taken back
+    model.partially_load(model.load_device, -1)               # ComfyUI counts the kept blocks as used
+    assert engine.att is att
+    # a changed plan while ComfyUI, counting the kept blocks, offers less than nothing: the
+    # blocks go back and the new plan is attached with what they freed (never left unattached)
+    model.ringswap = SwapSettings(3, 1)
+    model.partially_load(model.load_device, -(engine.device_bytes() // 2))
+    assert engine.att is not att and engine.att is not None and engine.att.plan.window == 3
+    model.partially_unload(model.offload_device, 1)           # ComfyUI frees memory: taken back
     assert engine.att is None
     assert torch.equal(_sample(model), ref) and engine.att is not None
 
