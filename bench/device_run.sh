@@ -17,7 +17,7 @@
 # compare-24-peers / compare-24-rs / compare-12-peers / compare-12-rs (ComfyUI, diffusers /
 # RingSwap at that cap, ~6 min each), compare-disk (home disk at 24 and 12, ~8 min),
 # compare-fp8-base (~4 min), compare-fp8-24 (~7 min), compare-fp8-12 (the peers and Loaders at 12 GiB,
-# ~6 min), compare-repeat (the 24 GiB 7,800-token cells and their resident runs, two rounds, ~8 min:
+# ~6 min), compare-repeat (ComfyUI 0.33 dynamic VRAM at 7,800 tokens: resident, RingSwap Patch and Loader at 24 GiB, two rounds, with --rerun, ~7 min:
 # cross-process spread against a miss); a cell that does not fit is listed
 # "not run (budget)". Join the parts' JSON here: python3 bench/compare.py --merge A B ...
 # compare:NAME:SECONDS:ARGS (ARGS comma-separated compare.py arguments, e.g.
@@ -85,7 +85,7 @@ for p in "$@"; do
     compare-fp8-base) compare fp8_base 300 --formats scaled_fp8 --groups base ;;
     compare-fp8-24) compare fp8_24 540 --formats scaled_fp8 --groups peers ringswap --caps 24 ;;
     compare-fp8-12) compare fp8_12 480 --formats scaled_fp8 --configs rs-loader-0.3.75 rs-loader-0.33-dyn diffusers comfy-0.3.75 comfy-0.33-dyn comfy-0.33 --caps 12 ;;
-    compare-repeat) compare repeat 560 --tokens 7800 --repeat 2 --rerun --configs comfy-0.3.75@0 rs-patch-0.3.75@24 rs-loader-0.3.75@24 comfy-0.33-dyn@0 rs-patch-0.33-dyn@24 ;;
+    compare-repeat) compare repeat 560 --tokens 7800 --repeat 2 --rerun --configs comfy-0.33-dyn@0 rs-patch-0.33-dyn@24 rs-loader-0.33-dyn@24 ;;
     families) part families 330 0.3.75 0 python3 bench/families.py --json "$OUT/families_075.json" ;;
     families-033-dyn) part families_033_dyn 330 0.33 1 python3 bench/families.py --json "$OUT/families_033dyn.json" ;;
     vace-033-dyn) part vace_033_dyn 200 0.33 1 python3 bench/families.py --families wan_vace_14b \

@@ -127,7 +127,7 @@ def main() -> None:
         f"workers {a.workers}; ram {a.warmup}+{a.steps} steps, disk {a.disk_warmup}+{a.disk_steps} steps")
 
     template = wan_template(a.layers, a.dim, a.ffn)
-    budget = Budget(a, dev, a.layers)
+    budget = Budget(a, a.layers)
     resident, streamed = plan_counts(a.layers, a.window, a.prefetch)
     say(f"plan: {resident} resident + {streamed} streamed blocks per step")
 

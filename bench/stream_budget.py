@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from common import T0, gb
 
 # H200 reference rates, GB/s
@@ -19,7 +17,7 @@ _REF_BLOCK_MS = ((4096, 4.1), (32760, 68.6), (75600, 279.0))
 class Budget:
     """Seconds each part of a stream.py run is expected to take, and what is left."""
 
-    def __init__(self, a, dev: torch.device, layers: int):
+    def __init__(self, a, layers: int):
         self.a = a
         self.rates = dict(REF)
         self.layers = layers
