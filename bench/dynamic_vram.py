@@ -13,7 +13,7 @@ step, load time, host RSS peak (psutil, sampled) and its growth from before the 
 against the model's bytes, torch's VRAM peak.
 
     source scripts/device_setup.sh && RINGSWAP_COMFY=0.33 ... python3 bench/dynamic_vram.py --json $OUT/dyn.json
-Tiny CPU run of every code path (meaningless numbers): .venv/bin/python bench/dynamic_vram.py --small
+Tiny CPU run of every code path (fp32, meaningless numbers): .venv/bin/python bench/dynamic_vram.py --small
 """
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ def main() -> None:
     a = ap.parse_args()
     if common.start(a, child):
         return
-    a.path = wan14b_file(a.dir, "bf16", a.small, a.device)
+    # --small: fp32, since 0.33's dynamic VRAM on a CPU runs bf16 weights uncast (as compare.py)
+    a.path = wan14b_file(a.dir, "fp32" if a.small else "bf16", a.small, a.device)
     results = []
     for config in a.configs:
         if a.drop_cache:
