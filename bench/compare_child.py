@@ -12,8 +12,8 @@ Kinds of configuration:
   disk       RingSwap Model Loader, home disk, page cache dropped before the load and
              before every workload
 Per workload: the first step apart, the mean of the rest (common.steady_s); with --rerun, one
-more 2-step sampling run (the next prompt: its first step, what ComfyUI's load costs again); host RSS sampled (peak, and
-steady = after the workload's last step); device memory in use above what it was when the
+more 2-step sampling run (the next prompt: its first step, what ComfyUI's load costs again);
+host RSS sampled (peak, and steady = after the workload's last step); device memory in use above what it was when the
 child started (sampled, sees allocations outside torch too), torch's own peak; pinned bytes.
 """
 from __future__ import annotations

@@ -185,8 +185,9 @@ def test_blocks_stay_on_the_device_between_runs(experts, home, caplog):
 
 
 def test_blocks_go_back_when_something_else_needs_them(experts, caplog):
-    """Short of VRAM, another patcher of the same model, the plain stock MODEL and
-    ComfyUI freeing memory each take the blocks back; every next run attaches afresh."""
+    """The same plan is kept whatever ComfyUI offers; a changed plan, ComfyUI freeing memory,
+    another patcher of the same model and the plain stock MODEL each take the blocks back,
+    and the next run attaches afresh."""
     stock = load_stock(experts[0])
     ref = _sample(stock)
     comfy.model_management.unload_all_models()
