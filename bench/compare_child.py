@@ -13,8 +13,9 @@ Kinds of configuration:
              before every workload
 Per workload: the first step apart, the mean of the rest (common.steady_s); with --rerun, one
 more 2-step sampling run (the next prompt: its first step, what ComfyUI's load costs again);
-host RSS sampled (peak, and steady = after the workload's last step); device memory in use above what it was when the
-child started (sampled, sees allocations outside torch too), torch's own peak; pinned bytes.
+host RSS sampled (peak, and steady = after the workload's last step); device memory in use
+above what it was when the child started (sampled, sees allocations outside torch too), torch's
+own peak; pinned bytes.
 """
 from __future__ import annotations
 
