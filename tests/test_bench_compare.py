@@ -130,3 +130,16 @@ def test_steady_s_is_the_mean_after_the_first_step():
     assert common.steady_s([6.834, 0.2, 0.454, 0.435, 0.448]) == pytest.approx(0.38425)
     assert common.steady_s([2.0, 0.45, 0.44]) == pytest.approx(0.445)
     assert common.steady_s([3.0]) is None
+
+
+def test_the_next_prompt_reads_in_the_note():
+    """compare.py --rerun: the next prompt's first step and the step after it, under each row."""
+    with open(os.path.join(BENCH, "results", "compare_24_rerun_2026-12-02.json")) as f:
+        cells = json.load(f)["cells"]
+    out = compare_table.table(cells)
+    row = _line(out, "| bf16 | 24 | rs-loader-0.3.75: RingSwap Loader, home ram, ComfyUI 0.3.75 | 7,800 |")
+    assert "| 0.441 | — | 1.006 |" in row and "next prompt: first step 4.004 s, then 0.432" in row
+    resident = _line(out, "| bf16 | none | comfy-0.3.75: ComfyUI 0.3.75 (no cap: resident; cap: native partial load) |")
+    assert "next prompt: first step 0.435 s, then 0.441" in resident
+    cells[0]["rows"][0].pop("rerun_first_step_s")
+    assert "next prompt" not in _line(compare_table.table(cells), "| bf16 | none | comfy-0.3.75")
