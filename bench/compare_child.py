@@ -11,8 +11,9 @@ Kinds of configuration:
   loader     RingSwap Model Loader, home ram (the same window, prefetch 1)
   disk       RingSwap Model Loader, home disk, page cache dropped before the load and
              before every workload
-Per workload: the first step apart, the mean of the rest (common.steady_s); with --rerun, one
-more 2-step sampling run (the next prompt: its first step, what ComfyUI's load costs again);
+Per workload: the first step apart, the mean of the rest (common.steady_s), RingSwap's log lines;
+with --rerun, one more 2-step sampling run (the next prompt: its first step, what ComfyUI's load
+costs again, and its log lines);
 host RSS sampled (peak, and steady = after the workload's last step); device memory in use
 above what it was when the child started (sampled, sees allocations outside torch too), torch's
 own peak; pinned bytes.
@@ -119,6 +120,7 @@ def child(a) -> dict:
     """Measure configuration `a.child` at every workload in `a.tokens`."""
     cfg = CONFIGS[a.child]
     mm = start_comfy(cfg, a.device)
+    log = comfy_start.RingSwapLines()
     dev = mm.get_torch_device()
     vram0 = common.device_used_bytes()
     rss0 = common.rss_bytes()
@@ -140,6 +142,7 @@ def child(a) -> dict:
         sampler.vram_peak = common.device_used_bytes()
         rss_peak_before, sampler.peak = sampler.peak, common.rss_bytes()
         row = {"tokens": tokens}
+        seen = len(log.lines)
         try:
             times = time_steps(obj, how, patcher, tokens, 1 + steps, a, dev)
             row.update(first_step_s=times[0], steps=times, s_per_step=common.steady_s(times) or times[0])
@@ -157,9 +160,10 @@ def child(a) -> dict:
             runs.clear()
             row.update(stats_line=st.line(), calls=st.calls, h2d_bytes_per_step=st.bytes_copied / max(1, st.calls),
                        copy_gbps=st.gbps, read_bytes_per_step=st.bytes_read / max(1, st.calls))
+        row["log"], seen = log.lines[seen:], len(log.lines)
         if a.rerun and "error" not in row:   # the next prompt at this size: its first step
             again = time_steps(obj, how, patcher, tokens, 2, a, dev)
-            row.update(rerun_first_step_s=again[0], rerun_step_s=again[1])
+            row.update(rerun_first_step_s=again[0], rerun_step_s=again[1], rerun_log=log.lines[seen:])
             runs.clear()
         out["rows"].append(row)
         common.say(f"[compare] {a.child} {tokens} tokens: {common.fmt_num(row.get('s_per_step'), '.3f')} s/step "

@@ -63,7 +63,10 @@ def _note(c: dict, r: dict, link_gbps: float | None) -> str:
                     + (f" ({100 * rate / link_gbps:.0f}% of pinned {link_gbps:.1f})" if link_gbps else "")
                     + f", copy stream {r['copy_gbps']:.1f} GB/s")
     if r.get("rerun_first_step_s") is not None:
-        bits.append(f"next prompt: first step {r['rerun_first_step_s']:.3f} s, then {r['rerun_step_s']:.3f}")
+        plans = [ln for ln in r.get("rerun_log", []) if ln.startswith("RingSwap plan:")]
+        how = ("" if not plans else " (blocks kept)" if all("kept on the device" in ln for ln in plans)
+               else " (blocks placed again)")
+        bits.append(f"next prompt: first step {r['rerun_first_step_s']:.3f} s, then {r['rerun_step_s']:.3f}{how}")
     if r.get("read_bytes_per_step") and s:
         bits.append(f"disk read {gb(r['read_bytes_per_step']) / s:.2f} GB/s")
     if c.get("odirect"):

@@ -143,3 +143,16 @@ def test_the_next_prompt_reads_in_the_note():
     assert "next prompt: first step 0.435 s, then 0.441" in resident
     cells[0]["rows"][0].pop("rerun_first_step_s")
     assert "next prompt" not in _line(compare_table.table(cells), "| bf16 | none | comfy-0.3.75")
+
+
+@pytest.mark.parametrize("lines, says", [
+    (["RingSwap plan: window 29 of 40 (auto; ...); kept on the device from the last run"], " (blocks kept)"),
+    (["RingSwap plan: window 30 of 40 (auto; ...); placed in 3.89 s"], " (blocks placed again)"),
+    ([], "")])
+def test_the_next_prompt_says_whether_the_blocks_stayed(lines, says):
+    with open(os.path.join(BENCH, "results", "compare_24_rerun_2026-12-02.json")) as f:
+        cells = json.load(f)["cells"]
+    rs = next(c for c in cells if c["config"] == "rs-loader-0.3.75")
+    rs["rows"][0]["rerun_log"] = lines + ["RingSwap run: 40 blocks"]
+    row = _line(compare_table.table(cells), "| bf16 | 24 | rs-loader-0.3.75")
+    assert f"next prompt: first step 4.004 s, then 0.432{says} |" in row
