@@ -17,8 +17,8 @@
 # compare-24-peers / compare-24-rs / compare-12-peers / compare-12-rs (ComfyUI, diffusers /
 # RingSwap at that cap, ~6 min each), compare-disk (home disk at 24 and 12, ~8 min),
 # compare-fp8-base (~4 min), compare-fp8-24 (~7 min), compare-fp8-12 (the peers and Loaders at 12 GiB,
-# ~6 min), compare-repeat (ComfyUI 0.33 dynamic VRAM at 7,800 tokens: resident, RingSwap Patch and Loader at 24 GiB, two rounds, with --rerun, ~7 min:
-# cross-process spread against a miss); a cell that does not fit is listed
+# ~6 min), compare-repeat (ComfyUI 0.33 dynamic VRAM at 7,800 tokens: resident, RingSwap Patch
+# and Loader at 24 GiB, two rounds, with --rerun, ~7 min: cross-process spread against a miss); a cell that does not fit is listed
 # "not run (budget)". Join the parts' JSON here: python3 bench/compare.py --merge A B ...
 # compare:NAME:SECONDS:ARGS (ARGS comma-separated compare.py arguments, e.g.
 # compare:a:300:--configs,comfy-0.33-dyn,--caps,0,24) for cells packed into one call.
