@@ -25,7 +25,7 @@ import comfy.model_patcher
 
 from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ..swap.host_pool import set_pin_budget
-from ..swap.planner import NotEnoughVRAM
+from ..swap.planner import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
 from . import live_feed, run_plan
 from .block_lists import ALL_NAMES, find_block_lists
@@ -297,20 +297,23 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         self.__dict__.pop("_ringswap_reloading", None)
         if not self._owns_engine():
             return super().partially_load(device_to, extra_memory, *args, **kwargs)
-        plan = self._plan_if_unchanged(device_to, extra_memory)
-        if plan is None:
+        plans = self._plans_to_keep(device_to, extra_memory)
+        if plans is None:
             freed = self._release_engine()
             return super().partially_load(device_to, extra_memory + freed, *args, **kwargs)
+        plan, fresh = plans
         self.__dict__["_ringswap_plan"] = plan
         out = super().partially_load(device_to, max(0, extra_memory), *args, **kwargs)
         engine = self.swap_engine
-        log.info("%s; %s memory, %.2f GB at home; kept on the device from the last run", plan.line(),
-                 engine.memory, engine.pool.nbytes / 1e9)
+        log.info("%s; %s memory, %.2f GB at home; kept on the device from the last run%s", plan.line(),
+                 engine.memory, engine.pool.nbytes / 1e9,
+                 f" (window {fresh.window} would fit; the copies hide already)" if fresh is not plan else "")
         return out
 
-    def _plan_if_unchanged(self, device_to, extra_memory: float):
-        """This run's plan when it is the attached one (same device, weight patches and
-        residency, the model fully loaded but for the blocks), else None."""
+    def _plans_to_keep(self, device_to, extra_memory: float):
+        """(the plan to run with, this run's own plan) when the attached blocks can stay (same
+        device and weight patches, the model fully loaded but for the blocks, and the planner
+        keeps the attached residency: swap.planner.keep_attached), else None."""
         att = self.swap_engine.att
         device = self._device(device_to)
         if att.device != device or self.model.model_lowvram or \
@@ -318,10 +321,11 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             return None
         full = self.model.model_loaded_weight_memory + extra_memory > self._size_before_attach()
         try:
-            plan = run_plan.plan_for_load(self, device, full)
+            fresh = run_plan.plan_for_load(self, device, full)
         except NotEnoughVRAM:   # load() plans again and fails with the message
             return None
-        return plan if plan.residency == att.plan else None
+        kept = keep_attached(fresh, att.plan)
+        return (kept, fresh) if kept is not None else None
 
     def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
         freed = self._release_engine()

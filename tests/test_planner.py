@@ -1,7 +1,8 @@
 """The window planner (swap/planner.py), table-driven: pure arithmetic, no ComfyUI."""
 import pytest
 
-from ringswap.swap.planner import NotEnoughVRAM, PlanInputs, plan_window, shrink_after_oom
+from ringswap.swap.plan import ResidencyPlan
+from ringswap.swap.planner import NotEnoughVRAM, PlanInputs, keep_attached, plan_window, shrink_after_oom
 
 GB = 10**9
 BLOCK = GB // 2            # 0.5 GB blocks, 40 of them (a 20 GB model)
@@ -119,3 +120,23 @@ def test_shrink_of_a_manual_window_and_of_all_resident():
     smallest = plan_window(inputs(free_bytes=4 * GB + BLOCK))
     assert (smallest.window, smallest.prefetch) == (1, 0)
     assert shrink_after_oom(smallest) is None
+
+
+def test_keep_attached_plan_while_it_fits_and_its_copies_hide():
+    attached = plan_window(inputs(free_bytes=20 * GB)).residency            # window 31
+    # the next run measured smaller activations: window 33 would fit, 31's copies hide under compute
+    measured = dict(free_bytes=20 * GB, activation_bytes=GB, link_bytes_per_s=50 * GB, compute_s=0.4)
+    fresh = plan_window(inputs(**measured))
+    assert fresh.window == 33
+    kept = keep_attached(fresh, attached)
+    assert kept.residency == attached and kept.automatic and kept.bound == "hidden"
+    assert keep_attached(fresh, fresh.residency) is fresh
+    # copy-bound at the attached window: place again at the larger one
+    assert keep_attached(plan_window(inputs(**dict(measured, compute_s=0.05))), attached) is None
+    # not measured yet: no verdict, place again
+    assert keep_attached(plan_window(inputs(free_bytes=20 * GB, activation_bytes=GB)), attached) is None
+    # the attached window no longer fits (bigger activations): place again
+    assert keep_attached(plan_window(inputs(**dict(measured, activation_bytes=4 * GB))), attached) is None
+    # a set window is kept only when it is the same
+    assert keep_attached(plan_window(inputs(**dict(measured, window=33))), attached) is None
+    assert keep_attached(fresh, ResidencyPlan.make(N - 1, 31, 1)) is None

@@ -14,6 +14,7 @@ import torch
 import comfy.model_management
 import nodes as comfy_nodes
 
+from ringswap.loaders import run_plan
 from ringswap.nodes.patch import RingSwapPatch
 from ringswap.swap.planner import NotEnoughVRAM
 from ringswap.swap.recovery import inject_oom
@@ -78,6 +79,40 @@ def test_budget_sizes_the_automatic_window(stock, reference):
         assert (plan.window, plan.automatic) == (on_device - 1, True), plan.line()
         assert model.swap_engine.plan.window == on_device - 1
         comfy.model_management.unload_all_models()
+
+
+def test_automatic_window_that_still_fits_and_hides_its_copies_stays_placed(stock, reference, caplog):
+    """The next run's measurements allow a larger automatic window; the attached one still
+    fits and its copies hide under compute, so its blocks stay (placing them again costs
+    seconds and saves nothing per step). When the copies would not hide, the larger window
+    is placed."""
+    probe = patched(stock, 0)
+    ksample(probe)
+    inp = probe.__dict__["_ringswap_plan"].inputs
+    comfy.model_management.unload_all_models()
+    block = max(inp.block_sizes)
+    activation = inp.activation_bytes + 2 * block
+    model = patched(stock, 0, 1, (inp.nonblock_bytes + activation + 3 * block + block // 2) / GB)
+    shape = probe.__dict__["_ringswap_request"].noise_shape
+    model.swap_state.measured.clear()
+    model.swap_state.measured[shape] = run_plan.Measured(activation_peak=activation)
+    assert torch.equal(ksample(model), reference)
+    engine = model.swap_engine
+    att = engine.att
+    assert att.plan.window == 2
+    measured = model.swap_state.measured[shape]
+    measured.activation_peak, measured.compute_s = activation - block, 1.0   # room for window 3 now
+    engine.link_bytes_per_s = 1e12                                           # the copies hide
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        assert torch.equal(ksample(model), reference)
+    assert engine.att is att and engine.plan.window == 2
+    (plan,) = messages(caplog, "RingSwap plan:")
+    assert plan.startswith("RingSwap plan: window 2 of 8 (auto;") and \
+        plan.endswith("kept on the device from the last run (window 3 would fit; the copies hide already)"), plan
+    engine.link_bytes_per_s, measured.compute_s = 1.0, 1.0                   # copy-bound: place window 3
+    assert torch.equal(ksample(model), reference)
+    assert engine.att is not att and engine.plan.window == 3
+    comfy.model_management.unload_all_models()
 
 
 def test_budget_that_holds_no_block_is_refused(stock):
