@@ -30,11 +30,16 @@ class RunRequest:
     estimate: int
 
 
+SLACK = 64 * 2**20   # small tensors kept between runs (latents, conds) and the allocator's rounding
+
+
 @dataclass
 class Measured:
     """What an earlier run at one latent shape measured."""
     activation_peak: int = 0
     compute_s: float = 0.0
+    ran: object = None    # the ResidencyPlan that ran it (a model call or more, no shrink), else None
+    free_after: int = 0   # device memory the model could have at that run's end (free_for)
 
 
 def install(patcher) -> None:
@@ -96,14 +101,27 @@ def plan_for_load(patcher, device: torch.device, full_load: bool) -> WindowPlan:
     n = patcher.swap_engine.num_blocks
     settings = patcher.ringswap
     everything = (device.type == "cpu" or full_load) and not settings.vram_budget_gb
-    free = features.free_vram(device) + patcher.model.model_loaded_weight_memory
-    plan = plan_window(plan_inputs(patcher, device, free, request_of(patcher),
+    plan = plan_window(plan_inputs(patcher, device, free_for(patcher, device), request_of(patcher),
                                    window=n if everything and not settings.window else None))
     return dataclasses.replace(plan, automatic=not settings.window)
 
 
+def free_for(patcher, device: torch.device) -> int:
+    """Device memory `patcher`'s model can have now: free plus what it holds."""
+    return int(features.free_vram(device) + patcher.model.model_loaded_weight_memory)
+
+
+def ran_here(patcher, device: torch.device, plan) -> bool:
+    """Whether `plan` (a ResidencyPlan) ran this run's latent shape last time with no more
+    device memory than the model can have now."""
+    request = request_of(patcher)
+    m = patcher.swap_state.measured.get(request.noise_shape) if request is not None else None
+    return m is not None and m.ran == plan and free_for(patcher, device) + SLACK >= m.free_after
+
+
 def record_run(patcher, stats) -> None:
-    """Keep what this run measured for the next run at the same latent shape."""
+    """Keep what this run measured for the next run at the same latent shape (call before
+    the engine detaches)."""
     request = request_of(patcher)
     if request is None or stats is None:
         return
@@ -111,6 +129,9 @@ def record_run(patcher, stats) -> None:
     m.activation_peak = max(m.activation_peak, stats.activation_peak)
     if stats.compute_s:
         m.compute_s = stats.compute_s
+    att = patcher.swap_engine.att
+    proven = att is not None and stats.call_times and not stats.shrinks
+    m.ran, m.free_after = (att.plan, free_for(patcher, att.device)) if proven else (None, 0)
 
 
 def _apply_model(executor, *args, **kwargs):

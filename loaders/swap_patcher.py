@@ -9,7 +9,6 @@ engine lives on the diffusion model (shared by all clones), the settings on each
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
 import time
@@ -198,10 +197,6 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self.model.model_loaded_weight_memory = self.model_size()
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
-        if engine.link_bytes_per_s != plan.inputs.link_bytes_per_s:   # measured by this placement
-            plan = dataclasses.replace(plan, inputs=dataclasses.replace(plan.inputs,
-                                                                        link_bytes_per_s=engine.link_bytes_per_s))
-            self.__dict__["_ringswap_plan"] = plan
         log.info("%s; %s memory, %.2f GB at home; placed in %.2f s%s", plan.line(), engine.memory,
                  engine.pool.nbytes / 1e9, time.perf_counter() - t0,
                  " (switched from another block-swapped model)" if switched else "")
@@ -305,9 +300,11 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         self.__dict__["_ringswap_plan"] = plan
         out = super().partially_load(device_to, max(0, extra_memory), *args, **kwargs)
         engine = self.swap_engine
+        why = ("" if fresh is plan else f" (window {fresh.window} would fit; the copies hide already)"
+               if fresh.window > plan.window else f" (it ran this size last time with no more memory than "
+               f"now; the planner's numbers give window {fresh.window})")
         log.info("%s; %s memory, %.2f GB at home; kept on the device from the last run%s", plan.line(),
-                 engine.memory, engine.pool.nbytes / 1e9,
-                 f" (window {fresh.window} would fit; the copies hide already)" if fresh is not plan else "")
+                 engine.memory, engine.pool.nbytes / 1e9, why)
         return out
 
     def _plans_to_keep(self, device_to, extra_memory: float):
@@ -324,7 +321,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             fresh = run_plan.plan_for_load(self, device, full)
         except NotEnoughVRAM:   # load() plans again and fails with the message
             return None
-        kept = keep_attached(fresh, att.plan)
+        kept = keep_attached(fresh, att.plan, run_plan.ran_here(self, device, att.plan))
         return (kept, fresh) if kept is not None else None
 
     def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):

@@ -58,7 +58,7 @@ class BlockSwapEngine:
             self.states.append(BlockState(i, block, layout))
         self.pool = HostPool()
         self.att: Attachment | None = None
-        self.link_bytes_per_s = 0.0   # last measured host-to-device copy rate
+        self.link_bytes_per_s = 0.0   # host-to-device rate of the last run's copies from a pinned home
         self.faults = None            # test hook: .check(call, block) may raise (see recovery.FaultInjector)
         self.orders: dict[tuple[int, ...], tuple[int, ...]] = {}   # streamed blocks -> their learned call order
         self.observer: Callable[[], None] | None = None   # called before each streamed block and model call (keep it cheap)
@@ -159,10 +159,7 @@ class BlockSwapEngine:
             self.att = att
             for i in att.upcoming()[:plan.ring_slots]:
                 self._issue(i, att.ring.victim([]))
-            placed_s = att.copier.take_times()[0]   # resident placement is loading, not a run's copies
-            placed = sum(self.states[i].layout.nbytes for i in plan.resident)
-            if placed and placed_s > 0 and self.home == "ram" and memory == "pinned":
-                self.link_bytes_per_s = placed / placed_s
+            att.copier.take_times()   # resident placement (from pageable memory) is loading, not a run's copies
             if on_land is not None:
                 for i in plan.resident:
                     on_land(i, self.states[i].binding.current())

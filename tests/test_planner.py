@@ -135,8 +135,11 @@ def test_keep_attached_plan_while_it_fits_and_its_copies_hide():
     assert keep_attached(plan_window(inputs(**dict(measured, compute_s=0.05))), attached) is None
     # not measured yet: no verdict, place again
     assert keep_attached(plan_window(inputs(free_bytes=20 * GB, activation_bytes=GB)), attached) is None
-    # the attached window no longer fits (bigger activations): place again
-    assert keep_attached(plan_window(inputs(**dict(measured, activation_bytes=4 * GB))), attached) is None
+    # the attached window no longer fits by the numbers: place again, unless it ran this size
+    # last time with no more memory than now
+    over = plan_window(inputs(**dict(measured, activation_bytes=4 * GB)))
+    assert keep_attached(over, attached) is None
+    assert keep_attached(over, attached, ran_here=True).residency == attached
     # a set window is kept only when it is the same
     assert keep_attached(plan_window(inputs(**dict(measured, window=33))), attached) is None
     assert keep_attached(fresh, ResidencyPlan.make(N - 1, 31, 1)) is None

@@ -112,6 +112,23 @@ def test_automatic_window_that_still_fits_and_hides_its_copies_stays_placed(stoc
     engine.link_bytes_per_s, measured.compute_s = 1.0, 1.0                   # copy-bound: place window 3
     assert torch.equal(ksample(model), reference)
     assert engine.att is not att and engine.plan.window == 3
+    assert measured.ran == engine.plan and measured.free_after > 0           # window 3 ran this size
+
+    # by the numbers window 3 is now past the room (the first run's start-up allocations came
+    # out of the free memory), but it ran this size with no more memory than there is now: kept
+    att = engine.att
+    measured.activation_peak = activation
+    measured.free_after = run_plan.free_for(model, engine.att.device) - GB
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        assert torch.equal(ksample(model), reference)
+    assert engine.att is att and engine.plan.window == 3
+    (plan,) = messages(caplog, "RingSwap plan:")
+    assert plan.endswith("kept on the device from the last run (it ran this size last time with no more "
+                         "memory than now; the planner's numbers give window 2)"), plan
+    measured.free_after = run_plan.free_for(model, engine.att.device) + 10 * GB   # less memory now: place again
+    assert torch.equal(ksample(model), reference)
+    assert engine.att is not att and engine.plan.window == 2
     comfy.model_management.unload_all_models()
 
 
