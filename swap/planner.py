@@ -158,22 +158,19 @@ def plan_window(i: PlanInputs) -> WindowPlan:
         "programs, lower --reserve-vram), raise vram_budget_gb, or use a smaller latent or a quantized model")
 
 
-def keep_attached(new: WindowPlan, attached: ResidencyPlan, ran_here: bool = False) -> WindowPlan | None:
+def keep_attached(new: WindowPlan, attached: ResidencyPlan, ran_here: bool) -> WindowPlan | None:
     """The plan to run with while `attached` is on the device, given this run's plan `new`:
-    `new` when they match; for an automatic plan, the attached residency while it still fits
-    and its copies hide under compute (a larger window saves nothing per step, placing the
-    blocks again costs seconds), or, past the room by the numbers, when it ran this latent
-    size last time with no more memory than now (`ran_here`: the first run's own start-up
-    allocations, e.g. kernels, are in the free memory now); None when the blocks must be
-    placed again."""
+    `new` when they match; for an automatic plan that ran this latent size last time with no
+    more memory than now (`ran_here`), the attached residency when it is past the room by the
+    numbers (the first run's own start-up allocations, e.g. kernels, came out of the free
+    memory) or its copies hide under compute (a larger window saves little per step, placing
+    the blocks again costs seconds); None when the blocks must be placed again."""
     if new.residency == attached:
         return new
-    if not new.automatic or attached.num_blocks != new.residency.num_blocks:
+    if not (new.automatic and ran_here) or attached.num_blocks != new.residency.num_blocks:
         return None
     kept = WindowPlan(new.inputs, attached, True)
-    if kept.over_bytes:
-        return kept if ran_here else None
-    return kept if kept.bound in ("hidden", "resident") else None
+    return kept if kept.over_bytes or kept.bound in ("hidden", "resident") else None
 
 
 def shrink_after_oom(plan: WindowPlan) -> WindowPlan | None:

@@ -122,24 +122,25 @@ def test_shrink_of_a_manual_window_and_of_all_resident():
     assert shrink_after_oom(smallest) is None
 
 
-def test_keep_attached_plan_while_it_fits_and_its_copies_hide():
+def test_keep_attached_plan_that_ran_this_size():
     attached = plan_window(inputs(free_bytes=20 * GB)).residency            # window 31
     # the next run measured smaller activations: window 33 would fit, 31's copies hide under compute
     measured = dict(free_bytes=20 * GB, activation_bytes=GB, link_bytes_per_s=50 * GB, compute_s=0.4)
     fresh = plan_window(inputs(**measured))
     assert fresh.window == 33
-    kept = keep_attached(fresh, attached)
+    kept = keep_attached(fresh, attached, ran_here=True)
     assert kept.residency == attached and kept.automatic and kept.bound == "hidden"
-    assert keep_attached(fresh, fresh.residency) is fresh
+    assert keep_attached(fresh, fresh.residency, ran_here=False) is fresh
+    # another latent size (or less memory than when it ran): placed for this run
+    assert keep_attached(fresh, attached, ran_here=False) is None
     # copy-bound at the attached window: place again at the larger one
-    assert keep_attached(plan_window(inputs(**dict(measured, compute_s=0.05))), attached) is None
+    assert keep_attached(plan_window(inputs(**dict(measured, compute_s=0.05))), attached, True) is None
     # not measured yet: no verdict, place again
-    assert keep_attached(plan_window(inputs(free_bytes=20 * GB, activation_bytes=GB)), attached) is None
-    # the attached window no longer fits by the numbers: place again, unless it ran this size
-    # last time with no more memory than now
+    assert keep_attached(plan_window(inputs(free_bytes=20 * GB, activation_bytes=GB)), attached, True) is None
+    # past the room by the numbers: kept only when it ran this size with no more memory than now
     over = plan_window(inputs(**dict(measured, activation_bytes=4 * GB)))
-    assert keep_attached(over, attached) is None
     assert keep_attached(over, attached, ran_here=True).residency == attached
+    assert keep_attached(over, attached, ran_here=False) is None
     # a set window is kept only when it is the same
-    assert keep_attached(plan_window(inputs(**dict(measured, window=33))), attached) is None
-    assert keep_attached(fresh, ResidencyPlan.make(N - 1, 31, 1)) is None
+    assert keep_attached(plan_window(inputs(**dict(measured, window=33))), attached, True) is None
+    assert keep_attached(fresh, ResidencyPlan.make(N - 1, 31, 1), True) is None
