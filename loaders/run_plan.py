@@ -15,6 +15,7 @@ import torch
 
 import comfy.patcher_extension
 
+from ..swap.plan import ResidencyPlan
 from ..swap.planner import PlanInputs, WindowPlan, plan_window, shrink_after_oom
 from ..swap.recovery import run_call
 from . import comfy_features as features
@@ -38,8 +39,8 @@ class Measured:
     """What an earlier run at one latent shape measured."""
     activation_peak: int = 0
     compute_s: float = 0.0
-    ran: object = None    # the ResidencyPlan that ran it (a model call or more, no shrink), else None
-    free_after: int = 0   # device memory the model could have at that run's end (free_for)
+    ran: ResidencyPlan | None = None   # the plan that ran it (a model call or more, no shrink)
+    free_after: int = 0                # device memory the model could have at that run's end (free_for)
 
 
 def install(patcher) -> None:
@@ -111,8 +112,8 @@ def free_for(patcher, device: torch.device) -> int:
     return int(features.free_vram(device) + patcher.model.model_loaded_weight_memory)
 
 
-def ran_here(patcher, device: torch.device, plan) -> bool:
-    """Whether `plan` (a ResidencyPlan) ran this run's latent shape last time with no more
+def ran_here(patcher, device: torch.device, plan: ResidencyPlan) -> bool:
+    """Whether `plan` ran this run's latent shape last time with no more
     device memory than the model can have now."""
     request = request_of(patcher)
     m = patcher.swap_state.measured.get(request.noise_shape) if request is not None else None
@@ -130,7 +131,7 @@ def record_run(patcher, stats) -> None:
     if stats.compute_s:
         m.compute_s = stats.compute_s
     att = patcher.swap_engine.att
-    proven = att is not None and stats.call_times and not stats.shrinks
+    proven = att is not None and bool(stats.call_times) and not stats.shrinks
     m.ran, m.free_after = (att.plan, free_for(patcher, att.device)) if proven else (None, 0)
 
 
