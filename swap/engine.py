@@ -159,7 +159,7 @@ class BlockSwapEngine:
             self.att = att
             for i in att.upcoming()[:plan.ring_slots]:
                 self._issue(i, att.ring.victim([]))
-            att.copier.take_times()   # resident placement (from pageable memory) is loading, not a run's copies
+            att.copier.take_times()   # resident placement is loading, not a run's copies
             if on_land is not None:
                 for i in plan.resident:
                     on_land(i, self.states[i].binding.current())
