@@ -5,8 +5,10 @@ number), so a newer ComfyUI that keeps an interface keeps working. Covered: the 
 checkpoint conversion and per-layer quant config (0.33: `convert_old_quants`,
 `quant_config`; 0.3.75: `layer_quant_config`), dynamic VRAM (`is_dynamic`,
 `cached_patcher_init`, `clone(model_override=)`, `aimdo_enabled` lazy ops) and ComfyUI's
-pin budget (`MAX_PINNED_MEMORY`, `PINNED_MEMORY`, `ensure_pin_registerable`), and the
-server's websocket clients (`PromptServer.instance.sockets`, `send_sync`).
+pin budget (`MAX_PINNED_MEMORY`, `PINNED_MEMORY`, `ensure_pin_registerable`), who
+calc_cond_batch asks for free memory (`ModelPatcher.get_free_memory` from 0.33 on, else
+`comfy.samplers.model_management`), and the server's websocket clients
+(`PromptServer.instance.sockets`, `send_sync`).
 """
 from __future__ import annotations
 
@@ -198,14 +200,67 @@ def reserved_vram() -> int:
     return 0
 
 
-def activation_estimate(patcher, noise_shape, conds) -> int:
-    """ComfyUI's estimate of one model call's activations at batch `noise_shape[0]`
-    (`sampler_helpers.estimate_memory`'s minimum, which its partial load reserves)."""
+ESTIMATE_CONDS = 2   # conds a step that sampler_helpers.estimate_memory's first figure is for (cond + uncond)
+BATCH_MARGIN = 1.5   # calc_cond_batch batches while memory_required(batched) * 1.5 < the free memory
+
+
+def activation_estimates(patcher, noise_shape, conds) -> tuple[int, int]:
+    """ComfyUI's estimates of one model call's activations: (one cond at batch
+    `noise_shape[0]`, ESTIMATE_CONDS conds batched), from `sampler_helpers.estimate_memory`
+    (the first is what its partial load reserves)."""
     import comfy.sampler_helpers
     estimate = getattr(comfy.sampler_helpers, "estimate_memory", None)
     if estimate is not None:
-        return int(estimate(patcher, noise_shape, conds)[1])
-    return int(patcher.model.memory_required(list(noise_shape)))
+        batched, single = estimate(patcher, noise_shape, conds)
+        return int(single), int(batched)
+    shape = list(noise_shape)
+    return (int(patcher.model.memory_required(shape)),
+            int(patcher.model.memory_required([shape[0] * ESTIMATE_CONDS] + shape[1:])))
+
+
+# calc_cond_batch asks the sampled patcher (model.current_patcher.get_free_memory) from 0.33 on
+PATCHER_ANSWERS_BATCHING = hasattr(comfy.model_patcher.ModelPatcher, "get_free_memory")
+
+
+class _FreeMemoryFromPatcher:
+    """comfy.model_management as comfy.samplers sees it inside one calc_cond_batch on a
+    ComfyUI whose batching asks `model_management.get_free_memory` (0.3.75): that one
+    question goes to the sampled patcher's `get_free_memory`, all else to the module."""
+
+    def __init__(self, module, patcher):
+        self._module, self._patcher = module, patcher
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def get_free_memory(self, dev=None, torch_free_too=False):
+        if torch_free_too or dev is None:
+            return self._module.get_free_memory(dev, torch_free_too)
+        return self._patcher.get_free_memory(dev)
+
+
+@contextlib.contextmanager
+def batching_asks(patcher) -> Iterator[None]:
+    """Within one calc_cond_batch, have ComfyUI's batching ask `patcher.get_free_memory`:
+    it does by itself where PATCHER_ANSWERS_BATCHING; before that, comfy.samplers' own
+    reference to model_management is swapped for the call (the only use of it there)."""
+    import comfy.samplers
+    module = getattr(comfy.samplers, "model_management", None)
+    if PATCHER_ANSWERS_BATCHING or module is None or not hasattr(module, "get_free_memory"):
+        yield
+        return
+    comfy.samplers.model_management = _FreeMemoryFromPatcher(module, patcher)
+    try:
+        yield
+    finally:
+        comfy.samplers.model_management = module
+
+
+def patcher_free_memory(patcher, device: torch.device) -> int:
+    """What ComfyUI's own patcher class would answer to get_free_memory (0.33: free memory
+    plus what dynamic VRAM could evict), else the device's free memory."""
+    fn = getattr(comfy.model_patcher.ModelPatcher, "get_free_memory", None)
+    return int(fn(patcher, device)) if fn is not None else free_vram(device)
 
 
 def can_wrap(patcher) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import comfy.model_management
 
-from ..swap.planner import PlanInputs, WindowPlan, plan_window
+from ..swap.planner import PlanInputs, WindowPlan, plan_step
 from . import comfy_features as features
 from .run_plan import tokens
 from .safetensors_index import SafetensorsIndex
@@ -79,16 +79,20 @@ def free_for_run(device) -> int:
 
 
 def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: int = 1, window: int = 0,
-                  prefetch: int = 1, vram_budget_gb: float = 0.0) -> WindowPlan:
-    """The plan of a RingSwap run of `path` at this size (raises NotEnoughVRAM with the numbers)."""
+                  prefetch: int = 1, vram_budget_gb: float = 0.0, conds: int = 1) -> WindowPlan:
+    """The plan of a RingSwap run of `path` at this size with `conds` conds a step (cond +
+    uncond: 2), batched or not as a run would (raises NotEnoughVRAM with the numbers)."""
     facts = file_facts(path)
     shape = latent_shape(facts.model, width, height, frames, batch)
     device = comfy.model_management.get_torch_device()
     everything = device.type == "cpu" and not vram_budget_gb and not window
-    inputs = PlanInputs(
-        block_sizes=facts.block_sizes, nonblock_bytes=facts.nonblock_bytes, free_bytes=free_for_run(device),
-        reserve_bytes=features.reserved_vram(), activation_bytes=int(facts.model.memory_required(list(shape))),
-        activation_source="ComfyUI's estimate", budget_bytes=int(vram_budget_gb * GB),
-        window=len(facts.block_sizes) if everything else window, prefetch=prefetch, device=str(device),
-        tokens=tokens(facts.model.diffusion_model, shape))
-    return plan_window(inputs)
+
+    def inputs(per_call: int) -> PlanInputs:
+        call = [shape[0] * per_call] + list(shape[1:])
+        return PlanInputs(
+            block_sizes=facts.block_sizes, nonblock_bytes=facts.nonblock_bytes, free_bytes=free_for_run(device),
+            reserve_bytes=features.reserved_vram(), activation_bytes=int(facts.model.memory_required(call)),
+            activation_source="ComfyUI's estimate", budget_bytes=int(vram_budget_gb * GB),
+            window=len(facts.block_sizes) if everything else window, prefetch=prefetch, device=str(device),
+            tokens=tokens(facts.model.diffusion_model, tuple(call)), conds_per_step=conds, conds_per_call=per_call)
+    return plan_step(inputs(conds), inputs(1))

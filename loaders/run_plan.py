@@ -1,12 +1,15 @@
-"""Each sampling run's window plan from ComfyUI's memory picture, and the model-call wrapper.
+"""Each sampling run's window plan from ComfyUI's memory picture, and the model-call wrappers.
 
-ComfyUI's PREPARE_SAMPLING wrapper hands over the latent shape and conds before the model
-loads, so `plan_for_load` plans for this run's activations (measured on the first call of
-an earlier run at the same shape, else ComfyUI's estimate); the APPLY_MODEL wrapper runs
-every model call through swap.recovery (out-of-memory retry at a smaller window).
+The OUTER_SAMPLE wrapper sees the guider (how many conds a step computes) and PREPARE_SAMPLING
+the latent shape and conds before the model loads, so `plan_for_load` plans for this run's
+activations (measured on the first call of an earlier run of the same call shape, else
+ComfyUI's estimate), batched or one call per cond (swap.planner.plan_step); CALC_COND_BATCH
+makes ComfyUI's batching follow that plan (`free_for_batching`), and APPLY_MODEL runs every
+model call through swap.recovery (out-of-memory retry at a smaller window).
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -16,7 +19,7 @@ import torch
 import comfy.patcher_extension
 
 from ..swap.plan import ResidencyPlan
-from ..swap.planner import PlanInputs, WindowPlan, plan_window, shrink_after_oom
+from ..swap.planner import PlanInputs, WindowPlan, plan_step, shrink_after_oom
 from ..swap.recovery import run_call
 from . import comfy_features as features
 
@@ -24,11 +27,22 @@ GB = 1e9
 WRAPPER_KEY = "ringswap"
 
 
-@dataclass(frozen=True)
+@dataclass
 class RunRequest:
-    """What a sampling run will ask of the model: its latent shape and ComfyUI's activation estimate."""
+    """What a sampling run will ask of the model: its latent shape, ComfyUI's activation
+    estimates for one cond a call and for the step's conds batched, and the conds a step
+    computes; `conds_per_call` records what the run's first model call really batched."""
     noise_shape: tuple[int, ...]
     estimate: int
+    batched_estimate: int = 0
+    conds_per_step: int = 1
+    conds_per_call: int = 0      # conds in the first model call (0 until it ran)
+
+    def estimate_for(self, conds: int) -> int:
+        """ComfyUI's activation estimate for `conds` conds in one call (linear past two)."""
+        if conds <= 1 or not self.batched_estimate:
+            return self.estimate * max(1, conds)
+        return self.estimate + (conds - 1) * max(0, self.batched_estimate - self.estimate)
 
 
 SLACK = 64 * 2**20   # small tensors kept between runs (latents, conds) and the allocator's rounding
@@ -36,11 +50,15 @@ SLACK = 64 * 2**20   # small tensors kept between runs (latents, conds) and the 
 
 @dataclass
 class Measured:
-    """What an earlier run at one latent shape measured."""
+    """What an earlier run of one call shape (latent shape, conds a call) measured."""
     activation_peak: int = 0
     compute_s: float = 0.0
     ran: ResidencyPlan | None = None   # the plan that ran it (a model call or more, no shrink)
     free_after: int = 0                # device memory the model could have at that run's end (free_for)
+
+
+_conds_per_step: contextvars.ContextVar[int | None] = contextvars.ContextVar("ringswap_conds_per_step",
+                                                                            default=None)
 
 
 def install(patcher) -> None:
@@ -48,16 +66,66 @@ def install(patcher) -> None:
     if not features.can_wrap(patcher):
         return
     kinds = comfy.patcher_extension.WrappersMP
-    for kind, fn in ((kinds.PREPARE_SAMPLING, _prepare_sampling), (kinds.APPLY_MODEL, _apply_model)):
+    wrappers = [(kinds.PREPARE_SAMPLING, _prepare_sampling), (kinds.APPLY_MODEL, _apply_model)]
+    wrappers += [(getattr(kinds, k), fn) for k, fn in (("OUTER_SAMPLE", _outer_sample),
+                                                       ("CALC_COND_BATCH", _calc_cond_batch)) if hasattr(kinds, k)]
+    for kind, fn in wrappers:
         if not patcher.wrappers.get(kind, {}).get(WRAPPER_KEY):
             patcher.add_wrapper_with_key(kind, WRAPPER_KEY, fn)
+
+
+def conds_per_step(guider) -> int | None:
+    """Conds `guider` computes each step: its non-empty cond groups (positive, negative, ...),
+    less the negative that ComfyUI's sampling_function skips at cfg 1 (its cfg1 optimization);
+    None for a guider that keeps no conds."""
+    conds = getattr(guider, "conds", None) or getattr(guider, "original_conds", None)
+    if not isinstance(conds, dict):
+        return None
+    groups = {k for k, v in conds.items() if v}
+    cfg = getattr(guider, "cfg", None)
+    options = getattr(guider, "model_options", None) or {}
+    if isinstance(cfg, (int, float)) and math.isclose(cfg, 1.0) and "negative" in groups \
+            and not options.get("disable_cfg1_optimization", False):
+        groups.discard("negative")
+    return max(1, len(groups))
+
+
+def _outer_sample(executor, *args, **kwargs):
+    token = _conds_per_step.set(conds_per_step(executor.class_obj))
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        _conds_per_step.reset(token)
 
 
 def _prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
     if getattr(model, "ringswap", None) is not None:
         shape = tuple(int(d) for d in noise_shape)
-        model.__dict__["_ringswap_request"] = RunRequest(shape, features.activation_estimate(model, shape, conds))
+        single, batched = features.activation_estimates(model, shape, conds)
+        per_step = _conds_per_step.get()
+        model.__dict__["_ringswap_request"] = RunRequest(
+            shape, single, batched, per_step if per_step is not None else features.ESTIMATE_CONDS)
     return executor(model, noise_shape, conds, *args, **kwargs)
+
+
+def _calc_cond_batch(executor, model, conds, x_in, timestep, model_options, *args, **kwargs):
+    patcher = getattr(model, "current_patcher", None)
+    if getattr(patcher, "ringswap", None) is None:
+        return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
+    with features.batching_asks(patcher):
+        return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
+
+
+def free_for_batching(patcher, free_bytes: int) -> int:
+    """The free memory ComfyUI's calc_cond_batch sees for `patcher`: it batches the step's
+    conds when its estimate x BATCH_MARGIN is below this. So the answer follows the plan:
+    above that line when the plan batches (it planned room for the batched call), at most
+    at it when the plan runs one call per cond; the true free memory without a plan."""
+    plan, request = patcher.__dict__.get("_ringswap_plan"), request_of(patcher)
+    if plan is None or request is None or patcher.swap_engine.att is None or request.conds_per_step <= 1:
+        return free_bytes
+    line = int(features.BATCH_MARGIN * request.estimate_for(plan.inputs.conds_per_step))
+    return max(free_bytes, line + 1) if plan.batched else min(free_bytes, line)
 
 
 def request_of(patcher) -> RunRequest | None:
@@ -75,35 +143,61 @@ def tokens(diffusion_model, noise_shape: tuple[int, ...]) -> int:
     return noise_shape[0] * math.prod(-(-d // max(1, int(p))) for d, p in zip(spatial, patch))
 
 
+def measured_for(patcher, request: RunRequest | None, conds: int) -> Measured | None:
+    return patcher.swap_state.measured.get((request.noise_shape, conds)) if request is not None else None
+
+
+def _compute_s(patcher, request: RunRequest | None, conds: int) -> float:
+    """Device time of one model call of `conds` conds: measured at that shape, else scaled
+    from a call of the same latent with another number of conds; 0 if none ran."""
+    if request is None:
+        return 0.0
+    for (shape, k), m in patcher.swap_state.measured.items():
+        if shape == request.noise_shape and m.compute_s > 0 and k == conds:
+            return m.compute_s
+    for (shape, k), m in patcher.swap_state.measured.items():
+        if shape == request.noise_shape and m.compute_s > 0:
+            return m.compute_s * conds / k
+    return 0.0
+
+
 def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequest | None,
-                window: int | None = None) -> PlanInputs:
-    """The planner's inputs for `patcher` on `device` (free_bytes: what this model can have)."""
+                window: int | None = None, conds: int = 1) -> PlanInputs:
+    """The planner's inputs for `patcher` on `device` (free_bytes: what this model can have)
+    with `conds` of the step's conds in each model call."""
     state, settings = patcher.swap_state, patcher.ringswap
     engine = state.engine
-    measured = state.measured.get(request.noise_shape) if request is not None else None
+    measured = measured_for(patcher, request, conds)
     if measured is not None and measured.activation_peak > 0:
         activation, source = measured.activation_peak, "measured on an earlier run"
     elif request is not None:
-        activation, source = request.estimate, "ComfyUI's estimate"
+        activation, source = request.estimate_for(conds), "ComfyUI's estimate"
     else:
         activation, source = 0, "no latent known"
+    per_step = request.conds_per_step if request is not None else 1
     return PlanInputs(
         block_sizes=tuple(s.layout.nbytes for s in engine.states), nonblock_bytes=state.nonblock_bytes,
         free_bytes=int(free_bytes), reserve_bytes=features.reserved_vram(), activation_bytes=int(activation),
         activation_source=source, budget_bytes=int(settings.vram_budget_gb * GB),
         window=settings.window if window is None else window, prefetch=settings.prefetch, device=str(device),
-        tokens=tokens(patcher.model.diffusion_model, request.noise_shape) if request is not None else 0,
-        link_bytes_per_s=engine.link_bytes_per_s, compute_s=measured.compute_s if measured else 0.0)
+        tokens=conds * tokens(patcher.model.diffusion_model, request.noise_shape) if request is not None else 0,
+        link_bytes_per_s=engine.link_bytes_per_s, compute_s=_compute_s(patcher, request, conds),
+        conds_per_step=per_step, conds_per_call=min(conds, per_step))
 
 
 def plan_for_load(patcher, device: torch.device, full_load: bool) -> WindowPlan:
     """The plan for this load of `patcher`: all blocks on a CPU device or a full load
-    (unless a window or budget is set), else the planner's window for this run."""
+    (unless a window or budget is set), else the planner's window for this run; the step's
+    conds batched or one call each, whichever swap.planner.plan_step finds faster."""
     n = patcher.swap_engine.num_blocks
     settings = patcher.ringswap
     everything = (device.type == "cpu" or full_load) and not settings.vram_budget_gb
-    plan = plan_window(plan_inputs(patcher, device, free_for(patcher, device), request_of(patcher),
-                                   window=n if everything and not settings.window else None))
+    request = request_of(patcher)
+    window = n if everything and not settings.window else None
+    free = free_for(patcher, device)
+    per_step = request.conds_per_step if request is not None else 1
+    plan = plan_step(plan_inputs(patcher, device, free, request, window, conds=per_step),
+                     plan_inputs(patcher, device, free, request, window, conds=1))
     return dataclasses.replace(plan, automatic=not settings.window)
 
 
@@ -112,27 +206,32 @@ def free_for(patcher, device: torch.device) -> int:
     return int(features.free_vram(device) + patcher.model.model_loaded_weight_memory)
 
 
-def ran_here(patcher, device: torch.device, plan: ResidencyPlan) -> bool:
-    """Whether `plan` ran this run's latent shape last time with no more
-    device memory than the model can have now."""
-    request = request_of(patcher)
-    m = patcher.swap_state.measured.get(request.noise_shape) if request is not None else None
+def ran_here(patcher, device: torch.device, plan: ResidencyPlan, conds: int) -> bool:
+    """Whether `plan` ran this run's call shape (latent shape, `conds` a call) last time with
+    no more device memory than the model can have now."""
+    m = measured_for(patcher, request_of(patcher), conds)
     return m is not None and m.ran == plan and free_for(patcher, device) + SLACK >= m.free_after
 
 
 def record_run(patcher, stats) -> None:
-    """Keep what this run measured for the next run at the same latent shape (call before
+    """Keep what this run measured for the next run of the same call shape (call before
     the engine detaches)."""
     request = request_of(patcher)
-    if request is None or stats is None:
+    if request is None or stats is None or not request.conds_per_call:
         return
-    m = patcher.swap_state.measured.setdefault(request.noise_shape, Measured())
+    m = patcher.swap_state.measured.setdefault((request.noise_shape, request.conds_per_call), Measured())
     m.activation_peak = max(m.activation_peak, stats.activation_peak)
     if stats.compute_s:
         m.compute_s = stats.compute_s
     att = patcher.swap_engine.att
     proven = att is not None and bool(stats.call_times) and not stats.shrinks
     m.ran, m.free_after = (att.plan, free_for(patcher, att.device)) if proven else (None, 0)
+
+
+def _note_first_call(request: RunRequest | None, x) -> None:
+    """Record the conds the run's first model call batched (its batch over the latent's)."""
+    if request is not None and not request.conds_per_call and isinstance(x, torch.Tensor) and x.ndim:
+        request.conds_per_call = max(1, int(x.shape[0]) // max(1, request.noise_shape[0]))
 
 
 def _apply_model(executor, *args, **kwargs):
@@ -143,6 +242,8 @@ def _apply_model(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     patcher = engine.att.owner() if callable(engine.att.owner) else None
     plan = patcher.__dict__.get("_ringswap_plan") if patcher is not None else None
+    if patcher is not None:
+        _note_first_call(request_of(patcher), args[0] if args else kwargs.get("x"))
 
     def smaller():
         if plan is None:

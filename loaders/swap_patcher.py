@@ -321,7 +321,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             fresh = run_plan.plan_for_load(self, device, full)
         except NotEnoughVRAM:   # load() plans again and fails with the message
             return None
-        kept = keep_attached(fresh, att.plan, run_plan.ran_here(self, device, att.plan))
+        kept = keep_attached(fresh, att.plan, run_plan.ran_here(self, device, att.plan, fresh.inputs.conds_per_call))
         return (kept, fresh) if kept is not None else None
 
     def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
@@ -331,6 +331,11 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         return freed
 
     # ----- sampling runs ---------------------------------------------------------------
+    def get_free_memory(self, device):
+        """What ComfyUI's calc_cond_batch counts on for the step's conds: the plan decided
+        whether they run batched (run_plan.free_for_batching)."""
+        return run_plan.free_for_batching(self, features.patcher_free_memory(self, device))
+
     def cleanup(self, *args, **kwargs):
         stats = self.swap_engine.end_run()
         run_plan.record_run(self, stats)
@@ -346,8 +351,11 @@ def _publish(stats, plan, node: str | None, run: tuple[float, int, int]) -> None
     server is running. `run`: (seconds since the first model call, steps, live messages sent)."""
     wall_s, steps, live = run
     s_per_step = wall_s / steps if steps else 0.0
+    calls_per_step = stats.calls / steps if steps else 0.0
     if steps:
-        log.info("RingSwap steps: %d in %.2f s, %.3f s/step%s", steps, wall_s, s_per_step,
+        planned = f" (planned {plan.inputs.calls_per_step})" if plan is not None else ""
+        log.info("RingSwap steps: %d in %.2f s, %.3f s/step, %.2f model calls a step%s%s", steps, wall_s,
+                 s_per_step, calls_per_step, planned,
                  f"; {live} live block maps sent to the browser" if live else "")
     if features.prompt_server() is None:
         return
@@ -357,5 +365,5 @@ def _publish(stats, plan, node: str | None, run: tuple[float, int, int]) -> None
         "bytes_copied": stats.bytes_copied, "gbps": stats.gbps, "copy_ms": stats.copy_s * 1e3,
         "hidden_ms": stats.hidden_s * 1e3, "wait_ms": stats.wait_s * 1e3,
         "fold_ms_per_block": 1e3 * stats.fold_s_per_block, "calls": stats.calls, "compute_s": stats.compute_s,
-        "shrinks": stats.shrinks, "steps": steps, "wall_s": wall_s, "s_per_step": s_per_step,
+        "shrinks": stats.shrinks, "steps": steps, "wall_s": wall_s, "s_per_step": s_per_step, "calls_per_step": calls_per_step,
         "live_messages": live, "plan": plan.as_dict() if plan is not None else None})

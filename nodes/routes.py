@@ -20,7 +20,7 @@ from ..swap.planner import NotEnoughVRAM
 PARAMS = {
     "width": (int, 16, 16384, None), "height": (int, 16, 16384, None), "frames": (int, 1, 100000, 1),
     "batch": (int, 1, 4096, 1), "window": (int, 0, 1000, 0), "prefetch": (int, 0, 8, 1),
-    "vram_budget_gb": (float, 0.0, 1024.0, 0.0),
+    "vram_budget_gb": (float, 0.0, 1024.0, 0.0), "conds": (int, 1, 16, 1),
 }
 
 

@@ -3,6 +3,9 @@
 Pure arithmetic: the caller measures (free VRAM, reserve, activation peak, link rate) and
 this decides, so the choice is table-testable and the same function answers the web
 extension's plan request. Recomputed for every run: latent size changes the activations.
+With several conds a step (cond + uncond at cfg > 1), `plan_step` also decides whether they
+run as one batched model call (each streamed block crosses the link once a step) or one
+call each (smaller activations, more blocks resident), by its cost model.
 """
 from __future__ import annotations
 
@@ -33,10 +36,16 @@ class PlanInputs:
     tokens: int = 0                  # tokens of one model call (for the plan line; 0 = unknown)
     link_bytes_per_s: float = 0.0    # measured host-to-device copy rate (0 = not measured yet)
     compute_s: float = 0.0           # measured device time of one model call (0 = not measured yet)
+    conds_per_step: int = 1          # conds the sampler computes each step (cond + uncond: 2)
+    conds_per_call: int = 1          # of those, computed together in one model call under this plan
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_sizes)
+
+    @property
+    def calls_per_step(self) -> int:
+        return -(-self.conds_per_step // max(1, self.conds_per_call))
 
     @property
     def room_bytes(self) -> int:
@@ -59,6 +68,7 @@ class WindowPlan:
     inputs: PlanInputs
     residency: ResidencyPlan
     automatic: bool
+    choice: str = ""   # why the conds run batched or one call each (plan_step), for the plan line
 
     @property
     def window(self) -> int:
@@ -81,6 +91,20 @@ class WindowPlan:
     def streamed_bytes(self) -> int:
         """Bytes copied to the device per model call (every streamed block once)."""
         return sum(self.inputs.block_sizes[i] for i in self.residency.streamed)
+
+    @property
+    def batched(self) -> bool:
+        """Does one model call compute several of the step's conds together?"""
+        return self.inputs.conds_per_call > 1 and self.inputs.conds_per_step > 1
+
+    @property
+    def step_cost(self) -> tuple[float, int]:
+        """(seconds a step takes by the cost model, or else bytes streamed a step; model calls
+        a step): calls x max(compute, copy) when both are measured, copies hiding under compute."""
+        calls = self.inputs.calls_per_step
+        if self.inputs.compute_s > 0 and (self.copy_s > 0 or not self.residency.streamed):
+            return calls * max(self.inputs.compute_s, self.copy_s), calls
+        return float(calls * self.streamed_bytes), calls
 
     @property
     def copy_s(self) -> float:
@@ -108,12 +132,17 @@ class WindowPlan:
                 + (f" at {i.tokens:,} tokens" if i.tokens else "") + f" ({i.activation_source})")
         if self.over_bytes:
             head += f"; the window is {self.over_bytes / GB:.1f} GB over the room for blocks"
+        calls = i.calls_per_step
+        step = (f"; {i.conds_per_step} conds a step " + ("batched in 1 model call" if self.batched else
+                f"in {calls} model calls") + (f" ({self.choice})" if self.choice else "")
+                if i.conds_per_step > 1 else "; 1 model call a step")
         if not r.streamed:
-            return head + "; nothing streams"
+            return head + step + "; nothing streams"
         copy = f"est. copy {self.copy_s:.2f} s" if self.copy_s else "copy rate not measured yet"
         compute = (f"compute ~{i.compute_s:.2f} s" if i.compute_s else "compute not measured yet")
         verdict = "" if self.bound == "unknown" else f": {self.bound}"
-        return f"{head}; streams {self.streamed_bytes / GB:.1f} GB per model call, {copy} vs {compute}{verdict}"
+        return (f"{head}{step}; streams {self.streamed_bytes / GB:.1f} GB per model call "
+                f"({calls * self.streamed_bytes / GB:.1f} GB a step), {copy} vs {compute}{verdict}")
 
     def as_dict(self) -> dict:
         """The plan for the browser and GET /ringswap/plan (JSON-ready)."""
@@ -123,7 +152,8 @@ class WindowPlan:
                  resident=len(r.resident), streamed=len(r.streamed), ring_slots=r.ring_slots,
                  block_bytes_on_device=self.block_bytes_on_device, room_bytes=i.room_bytes,
                  over_bytes=self.over_bytes, streamed_bytes=self.streamed_bytes, copy_s=self.copy_s,
-                 bound=self.bound, line=self.line())
+                 bound=self.bound, batched=self.batched, calls_per_step=i.calls_per_step, choice=self.choice,
+                 line=self.line())
         return d
 
 
@@ -158,6 +188,44 @@ def plan_window(i: PlanInputs) -> WindowPlan:
         "programs, lower --reserve-vram), raise vram_budget_gb, or use a smaller latent or a quantized model")
 
 
+def plan_step(batched: PlanInputs, single: PlanInputs) -> WindowPlan:
+    """The plan for a step of `batched.conds_per_step` conds: the step's conds in one model
+    call (`batched`: activations of the batched call) or one call each (`single`), whichever
+    the cost model (WindowPlan.step_cost) says is faster; a tie goes to fewer calls. A manual
+    window holds the same blocks either way, so it batches unless only the single call fits.
+    Raises NotEnoughVRAM (the single call's numbers) when neither fits one block."""
+    if batched.conds_per_step <= 1 or batched.conds_per_call <= 1:
+        return plan_window(batched)
+    plans, error = [], None
+    for i in (batched, single):
+        try:
+            plans.append(plan_window(i))
+        except NotEnoughVRAM as e:
+            error = e
+    if not plans:
+        raise error
+    if len(plans) == 1:
+        only = plans[0]
+        return replace(only, choice="batched" if only.batched else "batched would not fit one block")
+    b, s = plans
+    if b.over_bytes and not s.over_bytes:
+        return replace(s, choice=f"batched is {b.over_bytes / GB:.1f} GB over the room")
+    if b.step_cost <= s.step_cost:
+        return replace(b, choice=_versus(b, s))
+    return replace(s, choice=_versus(s, b))
+
+
+def _versus(pick: WindowPlan, other: WindowPlan) -> str:
+    name = "batched" if other.batched else "one call each"
+    (cost, _), (other_cost, _) = pick.step_cost, other.step_cost
+    if pick.inputs.compute_s > 0 and other.inputs.compute_s > 0 and (pick.copy_s or other.copy_s or
+                                                                     not pick.residency.streamed):
+        return f"{name} est. {other_cost:.2f} s a step vs {cost:.2f} s"
+    if other.residency.streamed or pick.residency.streamed:
+        return f"{name} would stream {other_cost / GB:.1f} GB a step vs {cost / GB:.1f} GB"
+    return f"{name}: more model calls" if other.inputs.calls_per_step > pick.inputs.calls_per_step else name
+
+
 def keep_attached(new: WindowPlan, attached: ResidencyPlan, ran_here: bool) -> WindowPlan | None:
     """The plan to run with while `attached` is on the device, given this run's plan `new`:
     `new` when they match; for an automatic plan that ran this latent size last time with no
@@ -169,7 +237,7 @@ def keep_attached(new: WindowPlan, attached: ResidencyPlan, ran_here: bool) -> W
         return new
     if not (new.automatic and ran_here) or attached.num_blocks != new.residency.num_blocks:
         return None
-    kept = WindowPlan(new.inputs, attached, True)
+    kept = replace(new, residency=attached)
     return kept if kept.over_bytes or kept.bound in ("hidden", "resident") else None
 
 

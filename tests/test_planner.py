@@ -2,7 +2,7 @@
 import pytest
 
 from ringswap.swap.plan import ResidencyPlan
-from ringswap.swap.planner import NotEnoughVRAM, PlanInputs, keep_attached, plan_window, shrink_after_oom
+from ringswap.swap.planner import NotEnoughVRAM, PlanInputs, keep_attached, plan_step, plan_window, shrink_after_oom
 
 GB = 10**9
 BLOCK = GB // 2            # 0.5 GB blocks, 40 of them (a 20 GB model)
@@ -86,7 +86,8 @@ def test_plan_line():
     assert line.startswith("RingSwap plan: window 31 of 40 (auto; 30 resident + ring 2)")
     assert "16.0 GB of blocks + 1.0 GB non-block on cuda:0 of 20.0 GB free" in line
     assert "activations ~2.0 GB at 32,760 tokens (estimate)" in line
-    assert "streams 5.0 GB per model call, est. copy 0.10 s vs compute ~2.90 s: hidden" in line
+    assert "; 1 model call a step; streams 5.0 GB per model call (5.0 GB a step), est. copy 0.10 s vs compute " \
+           "~2.90 s: hidden" in line
     assert plan_window(inputs(free_bytes=20 * GB, link_bytes_per_s=1 * GB, compute_s=2.9)).bound == "copy-bound"
     assert "copy rate not measured yet" in plan_window(inputs(free_bytes=20 * GB)).line()
     assert plan_window(inputs()).line().endswith("nothing streams")
@@ -144,3 +145,65 @@ def test_keep_attached_plan_that_ran_this_size():
     # a set window is kept only when it is the same
     assert keep_attached(plan_window(inputs(**dict(measured, window=33))), attached, True) is None
     assert keep_attached(fresh, ResidencyPlan.make(N - 1, 31, 1), True) is None
+
+
+def step(single_act=2 * GB, batched_act=4 * GB, compute=0.0, **kw) -> tuple[PlanInputs, PlanInputs]:
+    """(batched, one call each) inputs for a step of cond + uncond; compute: s per cond."""
+    b = inputs(activation_bytes=batched_act, conds_per_step=2, conds_per_call=2, compute_s=2 * compute, **kw)
+    s = inputs(activation_bytes=single_act, conds_per_step=2, conds_per_call=1, compute_s=compute, **kw)
+    return b, s
+
+
+# (case, (batched, single) inputs, batched?, window, calls a step)
+STEP_CASES = [
+    # everything fits either way: one call a step
+    ("all resident", step(free_bytes=30 * GB), True, N, 1),
+    # 20 GB free: batched leaves 14 GB = 28 blocks (window 27, 12 GB streamed once a step);
+    # one call each 16 GB = 32 blocks (window 31, 10 GB streamed twice): batched moves fewer bytes
+    ("link and compute not measured: fewer bytes", step(free_bytes=20 * GB), True, 27, 1),
+    # copies hide under compute either way: the batched call's two conds cost the same compute
+    ("copies hide", step(free_bytes=20 * GB, link_bytes_per_s=50 * GB, compute=2.0), True, 27, 1),
+    # copy-bound on a slow link: batched 13 GB / 25 GB/s = 0.52 s vs 2 x 11 GB/25 = 0.88 s
+    ("copy-bound, PCIe 4.0", step(free_bytes=20 * GB, link_bytes_per_s=25 * GB, compute=0.1), True, 27, 1),
+    # a long video: batched activations push out most blocks; compute is cheap next to the link.
+    # batched: room 2 GB = 4 blocks (window 3), streams 19 GB: 0.76 s a step; one call each:
+    # room 14 GB = 28 blocks (window 27), streams 7 GB twice: 2 x 0.28 = 0.56 s
+    ("long video, batched costs more", step(single_act=4 * GB, batched_act=16 * GB, free_bytes=20 * GB,
+                                            link_bytes_per_s=25 * GB, compute=0.05), False, 27, 2),
+    # the same memory picture, compute-heavy: batched hides its copies under 2 x 0.5 s of compute
+    ("long video, compute-bound", step(single_act=4 * GB, batched_act=16 * GB, free_bytes=20 * GB,
+                                       link_bytes_per_s=25 * GB, compute=0.5), True, 3, 1),
+    # the batched call does not fit one block: one call each
+    ("batched does not fit", step(single_act=6 * GB, batched_act=19 * GB, free_bytes=20 * GB), False, 23, 2),
+    # a manual window holds the same blocks either way: batched
+    ("manual window", step(free_bytes=20 * GB, window=10), True, 10, 1),
+    # ... unless only the single call fits beside it
+    ("manual window, batched over the room", step(free_bytes=10 * GB, single_act=2 * GB, batched_act=8 * GB,
+                                                  window=10), False, 10, 2),
+]
+
+
+@pytest.mark.parametrize("case,both,batched,window,calls", STEP_CASES, ids=[c[0] for c in STEP_CASES])
+def test_plan_step(case, both, batched, window, calls):
+    plan = plan_step(*both)
+    assert (plan.batched, plan.window, plan.inputs.calls_per_step) == (batched, window, calls), plan.line()
+    assert plan.choice
+    assert ("batched in 1 model call" in plan.line()) == batched
+    assert plan.as_dict()["calls_per_step"] == calls
+    if not batched:
+        assert "in 2 model calls" in plan.line()
+    other = plan_window(both[1] if batched else both[0]) if case != "batched does not fit" else None
+    if other is not None and other.inputs.window == 0 and not other.over_bytes:
+        assert plan.step_cost <= other.step_cost
+
+
+def test_plan_step_with_one_cond_is_the_window_plan():
+    b, s = step(free_bytes=20 * GB)
+    one = inputs(activation_bytes=2 * GB, free_bytes=20 * GB)
+    assert plan_step(one, one).residency == plan_window(one).residency
+    assert plan_step(one, one).line().count("1 model call a step") == 1
+
+
+def test_plan_step_neither_fits_says_the_single_calls_numbers():
+    with pytest.raises(NotEnoughVRAM, match="activations ~2.00 GB"):
+        plan_step(*step(free_bytes=4 * GB))

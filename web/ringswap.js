@@ -28,8 +28,7 @@ function modelName(node) {   // the loader's own file, or the one of the loader 
   return null;
 }
 
-function latentNode(node) {   // the latent feeding a sampler downstream, else any latent-size node
-  const sized = (n) => n && widget(n, "width") !== undefined && widget(n, "height") !== undefined;
+function downstream(node, found) {   // the first node fed (within 5 links) by `node` for which found(n) is set
   let frontier = [node];
   for (let depth = 0; depth < 5 && frontier.length; depth++) {
     const next = [];
@@ -37,13 +36,28 @@ function latentNode(node) {   // the latent feeding a sampler downstream, else a
       for (let slot = 0; slot < (n.outputs?.length ?? 0); slot++) next.push(...(n.getOutputNodes(slot) ?? []));
     }
     for (const n of next) {
-      for (let up = inputNode(n, "latent_image"), d = 0; up && d < 4; up = inputNode(up, "samples"), d++) {
-        if (sized(up)) return up;
-      }
+      const hit = found(n);
+      if (hit) return hit;
     }
     frontier = next;
   }
-  return graphNodes().find(sized) ?? null;
+  return null;
+}
+
+function latentNode(node) {   // the latent feeding a sampler downstream, else any latent-size node
+  const sized = (n) => n && widget(n, "width") !== undefined && widget(n, "height") !== undefined;
+  const fromSampler = (n) => {
+    for (let up = inputNode(n, "latent_image"), d = 0; up && d < 4; up = inputNode(up, "samples"), d++) {
+      if (sized(up)) return up;
+    }
+    return null;
+  };
+  return downstream(node, fromSampler) ?? graphNodes().find(sized) ?? null;
+}
+
+function condsPerStep(node) {   // cond + uncond, unless the sampler's cfg is 1 (ComfyUI then skips the uncond)
+  const sampler = downstream(node, (n) => (widget(n, "cfg") !== undefined ? n : null));
+  return sampler && widget(sampler, "cfg") !== 1 ? 2 : 1;
 }
 
 function planQuery(node) {
@@ -51,7 +65,8 @@ function planQuery(node) {
   if (!model || !latent) return null;
   return { model, width: widget(latent, "width"), height: widget(latent, "height"), frames: widget(latent, "length") ?? 1,
            batch: widget(latent, "batch_size") ?? 1, window: widget(node, "window") ?? 0,
-           prefetch: widget(node, "prefetch") ?? 1, vram_budget_gb: widget(node, "vram_budget_gb") ?? 0 };
+           prefetch: widget(node, "prefetch") ?? 1, vram_budget_gb: widget(node, "vram_budget_gb") ?? 0,
+           conds: condsPerStep(node) };
 }
 
 function planLine(p) {
@@ -59,7 +74,9 @@ function planLine(p) {
   if (p.error) return [`plan: ${p.error}`, "#f08080"];
   const bound = !p.streamed ? "all resident" : p.bound === "unknown" ? "copy rate not measured yet" : p.bound;
   return [`plan: window ${p.window}/${p.num_blocks} · ${fmt((p.block_bytes_on_device + p.nonblock_bytes) / GB)} GB on GPU`
-          + ` · ${fmt(p.streamed_bytes / GB)} GB/step · ${bound}`, "#c8c8ff"];
+          + ` · ${fmt((p.streamed_bytes * (p.calls_per_step ?? 1)) / GB)} GB/step`
+          + (p.conds_per_step > 1 ? (p.batched ? " · conds batched" : ` · ${p.calls_per_step} calls/step`) : "")
+          + ` · ${bound}`, "#c8c8ff"];
 }
 
 function runLine(r) {
