@@ -190,12 +190,13 @@ def compute_dtype(patcher, dev: torch.device) -> torch.dtype:
     return dt
 
 
-def make_inputs(tokens: int, dev: torch.device, dtype: torch.dtype, ctx_len: int, seed: int):
+def make_inputs(tokens: int, dev: torch.device, dtype: torch.dtype, ctx_len: int, seed: int, batch: int = 1):
+    """One model call's inputs; batch 2 = cond and uncond batched (a cfg > 1 step)."""
     f, h, w = latent_shape(tokens)
     g = torch.Generator(device=dev).manual_seed(seed)
-    return (torch.randn(1, 16, f, h, w, device=dev, dtype=dtype, generator=g),
-            torch.tensor([500.0], device=dev),
-            torch.randn(1, ctx_len, 4096, device=dev, dtype=dtype, generator=g))
+    return (torch.randn(batch, 16, f, h, w, device=dev, dtype=dtype, generator=g),
+            torch.tensor([500.0] * batch, device=dev),
+            torch.randn(batch, ctx_len, 4096, device=dev, dtype=dtype, generator=g))
 
 
 def step_times(dm, inputs, n: int, dev: torch.device) -> list[float]:
@@ -331,9 +332,10 @@ def start(a, child) -> bool:
 
 
 def sample_steps(model, tokens: int, steps: int, ctx_len: int,
-                 on_step: Callable[[int], None] | None = None) -> list[float]:
-    """Seconds per step of ComfyUI's own sampling path (comfy.sample.sample, euler, cfg 1:
-    one model call per step), from the step callback's time stamps; `on_step(i)` runs in
+                 on_step: Callable[[int], None] | None = None, cfg: float = 1.0) -> list[float]:
+    """Seconds per step of ComfyUI's own sampling path (comfy.sample.sample, euler; cfg 1:
+    the cond alone; cfg > 1: cond and a different uncond, batched or not as ComfyUI and the
+    model's patcher decide), from the step callback's time stamps; `on_step(i)` runs in
     that callback after step i's time stamp. The device is synchronised before the first
     and the last stamp only: a path that never waits for the GPU runs ahead of it by a
     varying part of a step (its second step reads short), so only the sum of the steps
@@ -343,6 +345,7 @@ def sample_steps(model, tokens: int, steps: int, ctx_len: int,
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(1, 16, f, h, w, generator=g)
     cond = [[torch.randn(1, ctx_len, 4096, generator=g), {}]]
+    uncond = [[torch.randn(1, ctx_len, 4096, generator=g), {}]]
     stamps = []
 
     dev = getattr(model, "load_device", None)
@@ -355,7 +358,7 @@ def sample_steps(model, tokens: int, steps: int, ctx_len: int,
             on_step(i)
 
     t0 = time.perf_counter()
-    comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", cond, cond, torch.zeros_like(noise),
+    comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", cond, uncond, torch.zeros_like(noise),
                         callback=step_done, disable_pbar=True, seed=0)
     return [b - a_ for a_, b in zip([t0] + stamps[:-1], stamps)]
 

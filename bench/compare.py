@@ -23,6 +23,7 @@ Tiny CPU run of every configuration's code path (caps ignored; meaningless numbe
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
 from compare_child import CONFIGS, child  # noqa: E402
+from link_load import LinkLoad  # noqa: E402
 from compare_table import rounds_joined, table  # noqa: E402
 from compare_targets import targets  # noqa: E402
 
@@ -74,10 +76,14 @@ def plan_cells(a) -> list[dict]:
     cells, seen = [], set()
     for fmt in a.formats:
         order = fixed + [(n, cap) for cap in a.caps for n in per_cap] + [(n, cap) for cap in a.caps for n in disk]
-        for name, cap in order:
-            if (fmt, name, cap) not in seen:
-                seen.add((fmt, name, cap))
-                cells.append({"format": fmt, "config": name, "cap_gib": cap})
+        for cfg in a.cfgs:
+            for link in a.links:
+                for name, cap in order:
+                    # the uncapped resident runs copy nothing a step: measured on the full link only
+                    on = "full" if not cap and CONFIGS[name].kind in ("floor", "comfy") else link
+                    if (fmt, cfg, on, name, cap) not in seen:
+                        seen.add((fmt, cfg, on, name, cap))
+                        cells.append({"format": fmt, "cfg": cfg, "link": on, "config": name, "cap_gib": cap})
     if a.repeat > 1:   # whole rounds, so a drift of the machine spreads over every cell alike
         cells = [dict(c, round=r) for r in range(a.repeat) for c in cells]
     return cells
@@ -96,7 +102,7 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
     cfg = CONFIGS[cell["config"]]
     # on the CPU a ballast holds nothing: RingSwap's cap is emulated by a window of 2 blocks
     window = 2 if a.small and cell["cap_gib"] else a.window
-    opts = ["--child", cell["config"], "--path", path, "--window", str(window),
+    opts = ["--child", cell["config"], "--path", path, "--window", str(window), "--cfg", str(cell.get("cfg", 1.0)),
             *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun"])]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
@@ -128,10 +134,17 @@ def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
         common.say("[compare] O_DIRECT: " + ", ".join(f"{o['gbps']:.2f} GB/s ({o['mode']})" for o in cell["odirect"]))
     cmd, env = child_command(a, cell, path)
     t0 = time.perf_counter()
-    with common.Ballast(cell["cap_gib"] if a.device == "cuda" else 0, a.device) as ballast:
+    halved = cell.get("link", "full") == "halved" and a.device == "cuda"
+    with LinkLoad(halved) as load, common.Ballast(cell["cap_gib"] if a.device == "cuda" else 0, a.device) as ballast:
         cell["ballast"] = ballast.line
+        if halved:   # what the load leaves to the cell, measured beside it
+            from io_rates import h2d_rate
+            cell["h2d_left_gbps"] = h2d_rate(torch.device(a.device), 1024 << 20)["gbps"]
         timeout = max(10.0, min(a.cell_timeout_s, deadline - time.perf_counter()))
         res = common.child_result(cmd, timeout, env, cwd=common.REPO)
+    if halved:
+        cell["link_load"] = load.line
+        common.say(f"[compare] {load.line}; {cell['h2d_left_gbps']:.1f} GB/s left to the cell")
     cell.update({k: v for k, v in res.items() if k not in ("config",)})
     cell["cell_wall_s"] = time.perf_counter() - t0
     return cell
@@ -158,7 +171,7 @@ def merge(a) -> None:
             data = json.load(f)
         env = data.get("env", env)
         for c in data["cells"]:
-            key = (c["format"], c["config"], c["cap_gib"], c.get("round", 0))
+            key = (c["format"], c.get("cfg", 1.0), c.get("link", "full"), c["config"], c["cap_gib"], c.get("round", 0))
             if key not in cells or "rows" in c or "rows" not in cells[key]:
                 cells[key] = c
     print(save(a, list(cells.values()), env))
@@ -180,6 +193,12 @@ def main() -> None:
     ap.add_argument("--disk-steps", type=int, default=1, help="the same for home=disk")
     ap.add_argument("--workers", type=int, default=8, help="disk_workers of the disk cells")
     ap.add_argument("--window", type=int, default=0, help="RingSwap's window (0: auto, the configuration measured)")
+    ap.add_argument("--cfgs", type=float, nargs="+", default=[1.0],
+                    help="cfg of the sampling runs, one set of cells each (cfg > 1: cond + uncond a step)")
+    ap.add_argument("--cfg", type=float, default=1.0, help=argparse.SUPPRESS)
+    ap.add_argument("--links", nargs="+", default=["full"], choices=["full", "halved"],
+                    help="halved: a second process copies pinned memory to the GPU in a loop beside the cell "
+                         "(bench/link_load.py: a PCIe 4.0-class link on the H200)")
     ap.add_argument("--odirect-gb", type=float, default=4.0, help="GB read for the O_DIRECT rate; 0 = all")
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall budget of the whole run")
     ap.add_argument("--cell-timeout-s", type=float, default=300.0)
@@ -225,7 +244,7 @@ def main() -> None:
             cell["skipped"] = f"not run (budget): ~{est:.0f} s > {max(0.0, left):.0f} s left"
             common.say(f"[compare] {fmt}/{cell['config']}@{cell['cap_gib']:g}: {cell['skipped']}")
         else:
-            common.say(f"[compare] {fmt}/{cell['config']}@{cell['cap_gib']:g}"
+            common.say(f"[compare] {fmt}/cfg {cell['cfg']:g}/{cell['link']}/{cell['config']}@{cell['cap_gib']:g}"
                        + (f" round {cell['round'] + 1}" if "round" in cell else "") + f" (~{est:.0f} s)")
             run_cell(a, cell, paths[fmt], deadline)
             measured[(CONFIGS[cell["config"]].kind, fmt)] = cell["cell_wall_s"]

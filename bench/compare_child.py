@@ -90,10 +90,12 @@ def build(cfg: Config, a, dev: torch.device):
 
 
 def time_steps(obj, how: str, patcher, tokens: int, n: int, a, dev: torch.device) -> list[float]:
-    """`n` steps at `tokens`: ComfyUI's sampling path, or direct forwards of the module."""
+    """`n` steps at `tokens` and cfg `a.cfg`: ComfyUI's sampling path, or direct forwards of
+    the module (at cfg > 1 one forward of cond and uncond batched, the floor of a step)."""
     if how == "sample":
-        return common.sample_steps(obj, tokens, n, a.ctx_len)
-    inputs = common.make_inputs(tokens, dev, common.compute_dtype(patcher, dev), a.ctx_len, 0)
+        return common.sample_steps(obj, tokens, n, a.ctx_len, cfg=a.cfg)
+    inputs = common.make_inputs(tokens, dev, common.compute_dtype(patcher, dev), a.ctx_len, 0,
+                                batch=1 if a.cfg == 1 else 2)
     return common.step_times(obj, inputs, n, dev)
 
 
@@ -158,8 +160,10 @@ def child(a) -> dict:
         if runs:
             st = runs.pop()
             runs.clear()
-            row.update(stats_line=st.line(), calls=st.calls, h2d_bytes_per_step=st.bytes_copied / max(1, st.calls),
-                       copy_gbps=st.gbps, read_bytes_per_step=st.bytes_read / max(1, st.calls))
+            n_steps = 1 + steps
+            row.update(stats_line=st.line(), calls=st.calls, calls_per_step=st.calls / n_steps,
+                       h2d_bytes_per_step=st.bytes_copied / n_steps, copy_gbps=st.gbps,
+                       read_bytes_per_step=st.bytes_read / n_steps)
         row["log"], seen = log.lines[seen:], len(log.lines)
         if a.rerun and "error" not in row:   # the next prompt at this size: its first step
             again = time_steps(obj, how, patcher, tokens, 2, a, dev)

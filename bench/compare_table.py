@@ -9,8 +9,13 @@ import statistics
 from common import fmt_num, gb, md_table
 from compare_child import CONFIGS
 
-HEADERS = ["format", "cap GiB", "configuration", "tokens", "s/step", "x floor", "x ComfyUI resident",
+HEADERS = ["format, cfg, link", "cap GiB", "configuration", "tokens", "s/step", "x floor", "x ComfyUI resident",
            "first step s", "load s", "peak VRAM GB (torch)", "host RSS peak / steady GB", "pinned GB", "note"]
+
+
+def scenario(c: dict) -> tuple:
+    """(format, cfg, link) of a cell: the workload it ran (cells of older runs: cfg 1, full link)."""
+    return c["format"], c.get("cfg", 1.0), c.get("link", "full")
 
 
 def rounds_joined(cells: list[dict]) -> list[dict]:
@@ -19,7 +24,7 @@ def rounds_joined(cells: list[dict]) -> list[dict]:
     and the rounds' own values kept in `s_rounds`."""
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
-        groups.setdefault((c["format"], c["config"], c["cap_gib"]), []).append(c)
+        groups.setdefault(scenario(c) + (c["config"], c["cap_gib"]), []).append(c)
     out = []
     for group in groups.values():
         measured = [c for c in group if "rows" in c]
@@ -36,13 +41,19 @@ def rounds_joined(cells: list[dict]) -> list[dict]:
 
 
 def speeds_of(cells: list[dict]) -> dict:
-    """(format, config, cap, tokens) -> s/step of every measured row."""
+    """(format, cfg, link, config, cap, tokens) -> s/step of every measured row."""
     out = {}
     for c in cells:
         for r in c.get("rows", []):
             if r.get("s_per_step"):
-                out[(c["format"], c["config"], c["cap_gib"], r["tokens"])] = r["s_per_step"]
+                out[scenario(c) + (c["config"], c["cap_gib"], r["tokens"])] = r["s_per_step"]
     return out
+
+
+def uncapped(speeds: dict, c: dict, config: str, tokens: int) -> float | None:
+    """s/step of the uncapped `config` in `c`'s workload: on the same link, else the full one."""
+    fmt, cfg, link = scenario(c)
+    return speeds.get((fmt, cfg, link, config, 0, tokens)) or speeds.get((fmt, cfg, "full", config, 0, tokens))
 
 
 def resident_of(cfg) -> str:
@@ -57,6 +68,10 @@ def _note(c: dict, r: dict, link_gbps: float | None) -> str:
     if r.get("plan"):
         bits.append(r["plan"][:90])
     s = r.get("s_per_step")
+    if c.get("link_load"):
+        bits.append(f"{c['link_load']}, {c.get('h2d_left_gbps', 0):.1f} GB/s left to the cell")
+    if r.get("calls_per_step"):
+        bits.append(f"{r['calls_per_step']:.2f} model calls a step")
     if r.get("h2d_bytes_per_step") and s:
         rate = gb(r["h2d_bytes_per_step"]) / s
         bits.append(f"host->GPU {rate:.1f} GB/s per step wall"
@@ -96,15 +111,16 @@ def table(cells: list[dict], small: bool = False, link_gbps: float | None = None
     for c in cells:
         cfg = CONFIGS[c["config"]]
         cap = "none" if not c["cap_gib"] else f"{c['cap_gib']:g}" + (" (not on CPU)" if small else "")
-        head = [c["format"], cap, f"{c['config']}: {cfg.label}"]
+        fmt, cfg_scale, link = scenario(c)
+        head = [f"{fmt}, cfg {cfg_scale:g}, link {link}", cap, f"{c['config']}: {cfg.label}"]
         if "rows" not in c:
             why = c.get("skipped") or f"failed (rc {c.get('rc')}): " + (c.get("error") or "")[-160:].replace("\n", " ")
             rows.append(head + ["—", why.replace("|", "/")] + [""] * (len(HEADERS) - 5))
             continue
         for r in c["rows"]:
             s = r.get("s_per_step")
-            floor = speeds.get((c["format"], "floor", 0, r["tokens"]))
-            resident = speeds.get((c["format"], resident_of(cfg), 0, r["tokens"]))
+            floor = uncapped(speeds, c, "floor", r["tokens"])
+            resident = uncapped(speeds, c, resident_of(cfg), r["tokens"])
             pinned = (r.get("pinned") or {}).get("total")
             vram = f"{_gb(r.get('vram_peak'))} ({_gb(r.get('vram_torch_peak'))})"
             rows.append(head + [f"{r['tokens']:,}", fmt_num(s, ".3f"),

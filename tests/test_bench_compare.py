@@ -34,23 +34,23 @@ def test_each_cell_is_held_to_its_own_comfyui_resident_run():
     assert compare_table.resident_of(compare_table.CONFIGS["comfy-0.33"]) == "comfy-0.33"
     assert compare_table.resident_of(compare_table.CONFIGS["diffusers"]) == "comfy-0.3.75"
     row = _line(compare_table.table(MEASURED["cells"], link_gbps=LINK),
-                "| bf16 | 24 | rs-patch-0.33-dyn: RingSwap Patch, auto window, ComfyUI 0.33 dynamic | 7,800 |")
+                "| bf16, cfg 1, link full | 24 | rs-patch-0.33-dyn: RingSwap Patch, auto window, ComfyUI 0.33 dynamic | 7,800 |")
     # 0.507 s against 0.33 dynamic VRAM's resident 0.489, not against 0.3.75's 0.441
     assert "| 0.507 | 1.137 | 1.037 |" in row
 
 
 def test_targets_of_the_measured_cells():
     lines = compare_targets.targets(MEASURED["cells"], LINK)
-    miss = _line(lines, "- bf16 24 GiB rs-patch-0.3.75 7,800 tokens")
+    miss = _line(lines, "- bf16 cfg 1 link full 24 GiB rs-patch-0.3.75 7,800 tokens")
     assert "x1.023 resident (MISSED <= 1.01)" in miss
     assert "ok vs comfy-0.3.75 0.483" in miss and "ok vs diffusers 0.545" in miss
-    met = _line(lines, "- bf16 24 GiB rs-patch-0.3.75 32,760 tokens")
+    met = _line(lines, "- bf16 cfg 1 link full 24 GiB rs-patch-0.3.75 32,760 tokens")
     assert "x1.007 resident (ok <= 1.01)" in met and "RSS 1.01 x file (ok <= 1.05)" in met
     # 21.1 GB of copies take 0.384 s at the link, under the 0.441 s resident step
-    bound = _line(lines, "- bf16 12 GiB rs-patch-0.3.75 7,800 tokens")
+    bound = _line(lines, "- bf16 cfg 1 link full 12 GiB rs-patch-0.3.75 7,800 tokens")
     assert "not transfer-bound (copies 0.384 s < resident step 0.441 s): 83% of link of at most 87%" in bound
     assert "<= 1.01" not in bound   # that target is for 24 GiB only
-    other = _line(lines, "- bf16 24 GiB rs-patch-0.33-dyn 32,760 tokens")
+    other = _line(lines, "- bf16 cfg 1 link full 24 GiB rs-patch-0.33-dyn 32,760 tokens")
     assert "SLOWER (+27.9%) vs diffusers (other ComfyUI) 3.090" in other and "ok vs comfy-0.33-dyn 4.001" in other
 
 
@@ -71,7 +71,7 @@ def test_disk_rss_is_counted_in_blocks(held_blocks, workers, verdict):
     disk["config"] = "rs-disk-0.3.75"
     row = disk["rows"][0]   # 29 resident + 11 streamed
     row["rss_steady"] = disk["rss_base"] + int(held_blocks * disk["file_bytes"] / 40)
-    line = _line(compare_targets.targets([disk], LINK, workers), "- bf16 24 GiB rs-disk-0.3.75 7,800 tokens")
+    line = _line(compare_targets.targets([disk], LINK, workers), "- bf16 cfg 1 link full 24 GiB rs-disk-0.3.75 7,800 tokens")
     assert f"RSS {held_blocks:.1f} blocks' worth ({verdict} <= {29 + 2 + workers}: window + prefetch" in line
 
 
@@ -82,10 +82,10 @@ def test_disk_is_held_to_the_disks_own_rate_not_to_the_link_or_a_peer():
     row = disk["rows"][0]
     row["s_per_step"], row["read_bytes_per_step"] = 6.5, 6.5 * 1.305e9
     cells = [c for c in MEASURED["cells"] if c["cap_gib"] == 24.0] + [disk]
-    line = _line(compare_targets.targets(cells, LINK), "- bf16 24 GiB rs-disk-0.3.75 7,800 tokens")
-    assert line.startswith("- bf16 24 GiB rs-disk-0.3.75 7,800 tokens 6.500 s/step: disk read 1.30 GB/s = 90% "
+    line = _line(compare_targets.targets(cells, LINK), "- bf16 cfg 1 link full 24 GiB rs-disk-0.3.75 7,800 tokens")
+    assert line.startswith("- bf16 cfg 1 link full 24 GiB rs-disk-0.3.75 7,800 tokens 6.500 s/step: disk read 1.30 GB/s = 90% "
                            "of the disk's O_DIRECT 1.45 GB/s; RSS ")
-    assert "resident" not in line.split("RSS")[0] and " vs " not in line and "link" not in line
+    assert "resident" not in line.split("RSS")[0] and " vs " not in line and "of link" not in line
 
 
 def test_rounds_of_a_cell_are_joined_into_their_median():
@@ -103,7 +103,7 @@ def test_rounds_of_a_cell_are_joined_into_their_median():
     assert first["s_per_step"] == 0.446 and first["s_rounds"] == [0.451, 0.440, 0.446]
     assert second["s_rounds"] == [one["rows"][1]["s_per_step"]] * 2
     row = _line(compare_table.table(joined, link_gbps=LINK),
-                "| bf16 | 24 | rs-patch-0.3.75: RingSwap Patch, auto window, ComfyUI 0.3.75 | 7,800 |")
+                "| bf16, cfg 1, link full | 24 | rs-patch-0.3.75: RingSwap Patch, auto window, ComfyUI 0.3.75 | 7,800 |")
     assert "| 0.446 |" in row and "median of rounds 0.451 / 0.440 / 0.446" in row
     assert "x1.011 resident" in compare_targets.targets(joined, LINK)   # 0.446 / 0.441
 
@@ -112,7 +112,7 @@ def test_configs_name_their_own_cap_and_rounds_repeat_whole():
     import argparse
     import compare
     a = argparse.Namespace(configs=["comfy-0.3.75@0", "rs-patch-0.3.75@24", "rs-loader-0.3.75", "floor"],
-                           groups=[], formats=["bf16"], caps=[24.0, 12.0], repeat=2)
+                           groups=[], formats=["bf16"], caps=[24.0, 12.0], repeat=2, cfgs=[1.0], links=["full"])
     cells = [(c["config"], c["cap_gib"], c.get("round")) for c in compare.plan_cells(a)]
     once = [("comfy-0.3.75", 0.0), ("rs-patch-0.3.75", 24.0), ("floor", 0), ("rs-loader-0.3.75", 24.0),
             ("rs-loader-0.3.75", 12.0)]
@@ -137,12 +137,12 @@ def test_the_next_prompt_reads_in_the_note():
     with open(os.path.join(BENCH, "results", "compare_24_rerun_2026-12-02.json")) as f:
         cells = json.load(f)["cells"]
     out = compare_table.table(cells)
-    row = _line(out, "| bf16 | 24 | rs-loader-0.3.75: RingSwap Loader, home ram, ComfyUI 0.3.75 | 7,800 |")
+    row = _line(out, "| bf16, cfg 1, link full | 24 | rs-loader-0.3.75: RingSwap Loader, home ram, ComfyUI 0.3.75 | 7,800 |")
     assert "| 0.441 | — | 1.006 |" in row and "next prompt: first step 4.004 s, then 0.432" in row
-    resident = _line(out, "| bf16 | none | comfy-0.3.75: ComfyUI 0.3.75 (no cap: resident; cap: native partial load) |")
+    resident = _line(out, "| bf16, cfg 1, link full | none | comfy-0.3.75: ComfyUI 0.3.75 (no cap: resident; cap: native partial load) |")
     assert "next prompt: first step 0.435 s, then 0.441" in resident
     cells[0]["rows"][0].pop("rerun_first_step_s")
-    assert "next prompt" not in _line(compare_table.table(cells), "| bf16 | none | comfy-0.3.75")
+    assert "next prompt" not in _line(compare_table.table(cells), "| bf16, cfg 1, link full | none | comfy-0.3.75")
 
 
 @pytest.mark.parametrize("lines, says", [
@@ -154,5 +154,29 @@ def test_the_next_prompt_says_whether_the_blocks_stayed(lines, says):
         cells = json.load(f)["cells"]
     rs = next(c for c in cells if c["config"] == "rs-loader-0.3.75")
     rs["rows"][0]["rerun_log"] = lines + ["RingSwap run: 40 blocks"]
-    row = _line(compare_table.table(cells), "| bf16 | 24 | rs-loader-0.3.75")
+    row = _line(compare_table.table(cells), "| bf16, cfg 1, link full | 24 | rs-loader-0.3.75")
     assert f"next prompt: first step 4.004 s, then 0.432{says} |" in row
+
+
+def test_cfg_and_halved_link_are_dimensions_of_the_cells():
+    """--cfgs and --links: a set of cells each; the uncapped resident runs only on the full
+    link (they copy nothing a step); every cell's workload in its table row and target line."""
+    import argparse
+    import compare
+    a = argparse.Namespace(configs=["comfy-0.33-dyn@0", "rs-patch-0.33-dyn@12"], groups=[], formats=["bf16"],
+                           caps=[12.0], repeat=1, cfgs=[1.0, 5.0], links=["full", "halved"])
+    cells = [(c["cfg"], c["link"], c["config"]) for c in compare.plan_cells(a)]
+    assert cells == [(1.0, "full", "comfy-0.33-dyn"), (1.0, "full", "rs-patch-0.33-dyn"),
+                     (1.0, "halved", "rs-patch-0.33-dyn"), (5.0, "full", "comfy-0.33-dyn"),
+                     (5.0, "full", "rs-patch-0.33-dyn"), (5.0, "halved", "rs-patch-0.33-dyn")]
+    resident = copy.deepcopy(_cell("comfy-0.33-dyn", 0.0))
+    rs = copy.deepcopy(_cell("rs-patch-0.33-dyn", 24.0))
+    for c in (resident, rs):
+        c["cfg"], c["rows"] = 5.0, [r for r in c["rows"] if r["tokens"] == 7800]
+    rs.update(cap_gib=12.0, link="halved", h2d_left_gbps=28.0, link_load="link load took 24.0 GB/s over 60 s")
+    rs["rows"][0].update(s_per_step=1.02 * resident["rows"][0]["s_per_step"], calls_per_step=1.0)
+    row = _line(compare_table.table([resident, rs], link_gbps=LINK), "| bf16, cfg 5, link halved | 12 |")
+    assert "| 1.020 |" in row and "link load took 24.0 GB/s over 60 s, 28.0 GB/s left to the cell" in row
+    assert "1.00 model calls a step" in row
+    line = _line(compare_targets.targets([resident, rs], LINK), "- bf16 cfg 5 link halved 12 GiB rs-patch-0.33-dyn")
+    assert "x1.020 resident (ok <= 1.05, cfg 5 12 GiB halved)" in line

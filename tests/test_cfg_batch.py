@@ -173,3 +173,21 @@ def test_batching_follows_the_plan_not_the_free_memory(stock):
     model.__dict__["_ringswap_plan"] = split
     assert model.get_free_memory(device) <= line
     assert BLOCKS == model.swap_engine.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_cfg_batched_is_exact_on_cuda(stock, prefetch, caplog):
+    """On CUDA (where ComfyUI's batching looks at free VRAM): window 1, cfg 5, one batched
+    call a step, bit-identical to the stock run."""
+    assert stock.load_device.type == "cuda"
+    with CallCounter(stock) as ref_calls:
+        ref = ksample(stock)
+    assert ref_calls.batches == [2] * STEPS
+    comfy.model_management.unload_all_models()
+    model = patched(stock, window=1, prefetch=prefetch)
+    with caplog.at_level(logging.INFO, logger="ringswap"), CallCounter(model) as calls:
+        out = ksample(model)
+    assert calls.batches == [2] * STEPS
+    assert torch.equal(out, ref)
+    assert "1.00 model calls a step (planned 1)" in log_lines(caplog, "RingSwap steps:")[0]
