@@ -189,11 +189,15 @@ def free_vram(device: torch.device) -> int:
     return int(comfy.model_management.get_free_memory(device))
 
 
-def reserved_vram() -> int:
+def reserved_vram(activations_measured: bool = False) -> int:
     """What ComfyUI keeps free beside a model's weights: its inference minimum, which holds
-    --reserve-vram (`minimum_inference_memory`, else `extra_reserved_memory`)."""
+    --reserve-vram (`minimum_inference_memory`, else `extra_reserved_memory`). Once the
+    activation peak is measured (what the allocator reserved, fragmentation included) the
+    inference minimum's margin for activations is counted already: then only the reserve
+    for others (`extra_reserved_memory`: the OS share and --reserve-vram)."""
     mm = comfy.model_management
-    for name in ("minimum_inference_memory", "extra_reserved_memory"):
+    names = ("minimum_inference_memory", "extra_reserved_memory")
+    for name in (names[::-1] if activations_measured else names):
         fn = getattr(mm, name, None)
         if fn is not None:
             return int(fn())

@@ -45,6 +45,7 @@ class RunRequest:
         return self.estimate + (conds - 1) * max(0, self.batched_estimate - self.estimate)
 
 
+MEASURED = "measured on an earlier run"
 SLACK = 64 * 2**20   # small tensors kept between runs (latents, conds) and the allocator's rounding
 
 
@@ -169,7 +170,7 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
     engine = state.engine
     measured = measured_for(patcher, request, conds)
     if measured is not None and measured.activation_peak > 0:
-        activation, source = measured.activation_peak, "measured on an earlier run"
+        activation, source = measured.activation_peak, MEASURED
     elif request is not None:
         activation, source = request.estimate_for(conds), "ComfyUI's estimate"
     else:
@@ -177,7 +178,8 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
     per_step = request.conds_per_step if request is not None else 1
     return PlanInputs(
         block_sizes=tuple(s.layout.nbytes for s in engine.states), nonblock_bytes=state.nonblock_bytes,
-        free_bytes=int(free_bytes), reserve_bytes=features.reserved_vram(), activation_bytes=int(activation),
+        free_bytes=int(free_bytes), reserve_bytes=features.reserved_vram(source == MEASURED),
+        activation_bytes=int(activation),
         activation_source=source, budget_bytes=int(settings.vram_budget_gb * GB),
         window=settings.window if window is None else window, prefetch=settings.prefetch, device=str(device),
         tokens=conds * tokens(patcher.model.diffusion_model, request.noise_shape) if request is not None else 0,

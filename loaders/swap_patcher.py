@@ -69,7 +69,7 @@ class SwapState:
         self.block_index = {k: i for i, k in enumerate(self.block_keys)}
         self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
         self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
-        self.measured: dict = {}   # latent shape -> run_plan.Measured (activation peak, compute time)
+        self.measured: dict = {}   # (latent shape, conds a call) -> run_plan.Measured (activation peak, compute time)
         self.nonblock_bytes = sum(
             t.numel() * t.element_size()
             for n, t in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers())

@@ -191,3 +191,19 @@ def test_cfg_batched_is_exact_on_cuda(stock, prefetch, caplog):
     assert calls.batches == [2] * STEPS
     assert torch.equal(out, ref)
     assert "1.00 model calls a step (planned 1)" in log_lines(caplog, "RingSwap steps:")[0]
+
+
+def test_measured_activations_drop_the_inference_minimums_margin(stock):
+    """ComfyUI's estimate: its whole inference minimum stays free beside it; a measured peak
+    (per call shape: latent and conds a call) keeps only ComfyUI's reserve for others."""
+    model = patched(stock, window=1)
+    ksample(model)
+    request = run_plan.request_of(model)
+    device = model.load_device
+    mm = comfy.model_management
+    first = run_plan.plan_inputs(model, device, 10**12, request, conds=2)
+    assert (first.activation_source, first.reserve_bytes) == ("ComfyUI's estimate", int(mm.minimum_inference_memory()))
+    model.swap_state.measured[(request.noise_shape, 2)] = run_plan.Measured(activation_peak=12345)
+    later = run_plan.plan_inputs(model, device, 10**12, request, conds=2)
+    assert (later.activation_bytes, later.reserve_bytes) == (12345, int(mm.extra_reserved_memory()))
+    assert run_plan.plan_inputs(model, device, 10**12, request, conds=1).activation_source == "ComfyUI's estimate"

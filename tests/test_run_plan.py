@@ -95,12 +95,12 @@ def test_automatic_window_that_ran_this_size_stays_placed(stock, reference, capl
     model = patched(stock, 0, 1, (inp.nonblock_bytes + activation + 3 * block + block // 2) / GB)
     shape = probe.__dict__["_ringswap_request"].noise_shape
     model.swap_state.measured.clear()
-    model.swap_state.measured[shape] = run_plan.Measured(activation_peak=activation)
+    model.swap_state.measured[(shape, 1)] = run_plan.Measured(activation_peak=activation)
     assert torch.equal(ksample(model), reference)
     engine = model.swap_engine
     att = engine.att
     assert att.plan.window == 2
-    measured = model.swap_state.measured[shape]
+    measured = model.swap_state.measured[(shape, 1)]
     assert measured.ran == att.plan and measured.free_after > 0              # window 2 ran this size
     measured.activation_peak, measured.compute_s = activation - block, 1.0   # room for window 3 now
     measured.free_after = run_plan.free_for(model, att.device) - GB          # (free RAM moves on a CPU)
