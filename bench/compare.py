@@ -103,7 +103,8 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
     # on the CPU a ballast holds nothing: RingSwap's cap is emulated by a window of 2 blocks
     window = 2 if a.small and cell["cap_gib"] else a.window
     opts = ["--child", cell["config"], "--path", path, "--window", str(window), "--cfg", str(cell.get("cfg", 1.0)),
-            *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun"])]
+            *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun",
+                                    "rerun_steps"])]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
     if runtime(a) == "device":
@@ -189,7 +190,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every cell this many times, in whole rounds; the table shows each row's median")
     ap.add_argument("--rerun", action="store_true",
-                    help="after each workload, one more 2-step run: the next prompt's first step (load again)")
+                    help="after each workload, one more run: the next prompt (load again, plan with what "
+                         "the first run measured)")
+    ap.add_argument("--rerun-steps", type=int, default=1, help="steps of the --rerun prompt after its first")
     ap.add_argument("--disk-steps", type=int, default=1, help="the same for home=disk")
     ap.add_argument("--workers", type=int, default=8, help="disk_workers of the disk cells")
     ap.add_argument("--window", type=int, default=0, help="RingSwap's window (0: auto, the configuration measured)")

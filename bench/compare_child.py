@@ -12,8 +12,9 @@ Kinds of configuration:
   disk       RingSwap Model Loader, home disk, page cache dropped before the load and
              before every workload
 Per workload: the first step apart, the mean of the rest (common.steady_s), RingSwap's log lines;
-with --rerun, one more 2-step sampling run (the next prompt: its first step, what ComfyUI's load
-costs again, and its log lines);
+with --rerun, one more sampling run of 1 + --rerun-steps steps (the next prompt: its first step,
+what ComfyUI's load costs again, its s/step planned with what the first run measured, and its
+log lines);
 host RSS sampled (peak, and steady = after the workload's last step); device memory in use
 above what it was when the child started (sampled, sees allocations outside torch too), torch's
 own peak; pinned bytes.
@@ -166,8 +167,8 @@ def child(a) -> dict:
                        read_bytes_per_step=st.bytes_read / n_steps)
         row["log"], seen = log.lines[seen:], len(log.lines)
         if a.rerun and "error" not in row:   # the next prompt at this size: its first step
-            again = time_steps(obj, how, patcher, tokens, 2, a, dev)
-            row.update(rerun_first_step_s=again[0], rerun_step_s=again[1], rerun_log=log.lines[seen:])
+            again = time_steps(obj, how, patcher, tokens, 1 + a.rerun_steps, a, dev)
+            row.update(rerun_first_step_s=again[0], rerun_step_s=common.steady_s(again), rerun_log=log.lines[seen:])
             runs.clear()
         out["rows"].append(row)
         common.say(f"[compare] {a.child} {tokens} tokens: {common.fmt_num(row.get('s_per_step'), '.3f')} s/step "

@@ -81,7 +81,9 @@ def _note(c: dict, r: dict, link_gbps: float | None) -> str:
         plans = [ln for ln in r.get("rerun_log", []) if ln.startswith("RingSwap plan:")]
         how = ("" if not plans else " (blocks kept)" if all("kept on the device" in ln for ln in plans)
                else " (blocks placed again)")
-        bits.append(f"next prompt: first step {r['rerun_first_step_s']:.3f} s, then {r['rerun_step_s']:.3f}{how}")
+        then = r.get("rerun_step_s")
+        ratio = f" = {then / s:.3f} x this row" if then and s else ""
+        bits.append(f"next prompt: first step {r['rerun_first_step_s']:.3f} s, then {fmt_num(then, '.3f')}{ratio}{how}")
     if r.get("read_bytes_per_step") and s:
         bits.append(f"disk read {gb(r['read_bytes_per_step']) / s:.2f} GB/s")
     if c.get("odirect"):

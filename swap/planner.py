@@ -13,8 +13,11 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from .plan import ResidencyPlan
+from .timing import call_seconds
 
 GB = 1e9
+HIDDEN = 1.01       # a call within 1% of its compute time: the copies hide
+MORE_PREFETCH = 2   # an automatic window may copy up to this many blocks further ahead than `prefetch`
 
 
 class NotEnoughVRAM(RuntimeError):
@@ -98,12 +101,24 @@ class WindowPlan:
         return self.inputs.conds_per_call > 1 and self.inputs.conds_per_step > 1
 
     @property
+    def timed(self) -> bool:
+        """Are compute and (where blocks stream) the link rate measured?"""
+        return self.inputs.compute_s > 0 and (self.inputs.link_bytes_per_s > 0 or not self.residency.streamed)
+
+    @property
+    def call_s(self) -> float:
+        """Seconds of one model call by the engine's rules (swap.timing); 0 when not timed."""
+        if not self.timed:
+            return 0.0
+        i = self.inputs
+        return call_seconds(i.block_sizes, self.residency, i.compute_s, i.link_bytes_per_s)
+
+    @property
     def step_cost(self) -> tuple[float, int]:
-        """(seconds a step takes by the cost model, or else bytes streamed a step; model calls
-        a step): calls x max(compute, copy) when both are measured, copies hiding under compute."""
+        """(seconds a step takes, or where not timed the bytes streamed a step; model calls a step)."""
         calls = self.inputs.calls_per_step
-        if self.inputs.compute_s > 0 and (self.copy_s > 0 or not self.residency.streamed):
-            return calls * max(self.inputs.compute_s, self.copy_s), calls
+        if self.timed:
+            return calls * self.call_s, calls
         return float(calls * self.streamed_bytes), calls
 
     @property
@@ -116,9 +131,9 @@ class WindowPlan:
         """"resident", "hidden", "copy-bound" or "unknown" (compute or link rate not measured)."""
         if not self.residency.streamed:
             return "resident"
-        if self.copy_s <= 0 or self.inputs.compute_s <= 0:
+        if not self.timed:
             return "unknown"
-        return "hidden" if self.copy_s <= self.inputs.compute_s else "copy-bound"
+        return "hidden" if self.call_s <= HIDDEN * self.inputs.compute_s else "copy-bound"
 
     def line(self) -> str:
         i, r = self.inputs, self.residency
@@ -132,6 +147,9 @@ class WindowPlan:
                 + (f" at {i.tokens:,} tokens" if i.tokens else "") + f" ({i.activation_source})")
         if self.over_bytes:
             head += f"; the window is {self.over_bytes / GB:.1f} GB over the room for blocks"
+        if r.prefetch > i.prefetch and r.streamed:
+            head += (f"; prefetch {r.prefetch} (set {i.prefetch}): by the measured rates a step is "
+                     "faster with more copies in flight")
         calls = i.calls_per_step
         step = (f"; {i.conds_per_step} conds a step " + ("batched in 1 model call" if self.batched else
                 f"in {calls} model calls") + (f" ({self.choice})" if self.choice else "")
@@ -162,6 +180,15 @@ def _fits(i: PlanInputs, window: int, prefetch: int) -> ResidencyPlan | None:
     return plan if device_bytes(i.block_sizes, plan) <= i.room_bytes else None
 
 
+def _largest(i: PlanInputs, prefetch: int) -> WindowPlan | None:
+    """The largest window that fits at this prefetch, or None."""
+    for window in range(i.num_blocks, 0, -1):
+        plan = _fits(i, window, prefetch)
+        if plan is not None:
+            return WindowPlan(i, plan, True)
+    return None
+
+
 def plan_window(i: PlanInputs) -> WindowPlan:
     """The largest window (and, if need be, a smaller prefetch) whose blocks fit in the room
     left; a manual window is kept as asked (the plan says how far over the room it goes).
@@ -170,10 +197,15 @@ def plan_window(i: PlanInputs) -> WindowPlan:
         raise ValueError("the model has no transformer blocks")
     if i.window > 0:
         return WindowPlan(i, ResidencyPlan.make(i.num_blocks, min(i.window, i.num_blocks), i.prefetch), False)
-    for window in range(i.num_blocks, 0, -1):
-        plan = _fits(i, window, i.prefetch)
-        if plan is not None:
-            return WindowPlan(i, plan, True)
+    best = None
+    for prefetch in range(i.prefetch, i.prefetch + 1 + MORE_PREFETCH):
+        plan = _largest(i, prefetch)
+        if plan is None or (best is not None and not plan.timed):
+            break
+        if best is None or plan.call_s < best.call_s * (1 - 0.5 * (HIDDEN - 1)):
+            best = plan
+    if best is not None:
+        return best
     for prefetch in range(i.prefetch - 1, -1, -1):
         plan = _fits(i, 1, prefetch)
         if plan is not None:
@@ -210,7 +242,7 @@ def plan_step(batched: PlanInputs, single: PlanInputs) -> WindowPlan:
     b, s = plans
     if b.over_bytes and not s.over_bytes:
         return replace(s, choice=f"batched is {b.over_bytes / GB:.1f} GB over the room")
-    if b.step_cost <= s.step_cost:
+    if b.step_cost[0] <= s.step_cost[0] * 1.001:   # a tie (within rounding) goes to fewer calls
         return replace(b, choice=_versus(b, s))
     return replace(s, choice=_versus(s, b))
 

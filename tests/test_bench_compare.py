@@ -155,7 +155,7 @@ def test_the_next_prompt_says_whether_the_blocks_stayed(lines, says):
     rs = next(c for c in cells if c["config"] == "rs-loader-0.3.75")
     rs["rows"][0]["rerun_log"] = lines + ["RingSwap run: 40 blocks"]
     row = _line(compare_table.table(cells), "| bf16, cfg 1, link full | 24 | rs-loader-0.3.75")
-    assert f"next prompt: first step 4.004 s, then 0.432{says} |" in row
+    assert f"next prompt: first step 4.004 s, then 0.432 = 0.981 x this row{says} |" in row
 
 
 def test_cfg_and_halved_link_are_dimensions_of_the_cells():
