@@ -44,10 +44,14 @@ class RunStats:
 
     @property
     def compute_s(self) -> float:
-        """Mean device time of a model call, less the time it stood waiting for copies."""
-        if not self.call_times:
+        """Mean device time of a model call, less the time it stood waiting for copies. The
+        run's first call (allocator and kernel start-up: 1.00 s against 0.92 s for the rest,
+        bench/RESULTS.md) is left out where there are more, with its mean share of the waits."""
+        n = len(self.call_times)
+        if not n:
             return 0.0
-        return max(0.0, (sum(self.call_times) - self.wait_s) / len(self.call_times))
+        calls = self.call_times[1:] if n > 1 else self.call_times
+        return max(0.0, (sum(calls) - self.wait_s * len(calls) / n) / len(calls))
 
     @property
     def land_s(self) -> float:

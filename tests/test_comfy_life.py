@@ -224,3 +224,40 @@ def test_blocks_go_back_when_something_else_needs_them(experts, caplog):
     with caplog.at_level("INFO", logger="ringswap"):
         assert torch.equal(_sample(model), ref)
     assert engine.att is not None and len(_plan_lines(caplog)) == 1
+
+
+def test_compiled_model_is_exact_and_a_lora_strength_change_does_not_recompile(experts):
+    """ComfyUI's compile wrapper (TorchCompileModel) with a backend that runs the captured
+    graphs as they are: the compiled RingSwap run equals the uncompiled one at cfg 5, and
+    changing the strength of a stock LoRA (load_lora_for_models) compiles nothing new: the
+    fold happens on the weights as they land, outside the compiled graphs."""
+    import comfy.sd
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from support.lora_files import build_lora
+
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(len(gm.graph.nodes))
+        return gm.forward
+
+    def sample(m):
+        (out,) = comfy_nodes.KSampler().sample(m, 3, 2, 5.0, "euler", "simple", conditioning(1), conditioning(2),
+                                              latent())
+        return out["samples"].clone()
+
+    lora = build_lora("kohya", blocks=4)
+    base = load_swapped_model(experts[0], SwapSettings(2, 1), home="ram", disk_workers=2)
+    plain = {s: sample(comfy.sd.load_lora_for_models(base, None, lora, s, 0)[0]) for s in (0.5, 1.0)}
+    assert not torch.equal(plain[0.5], plain[1.0])
+    compiled = base.clone()
+    set_torch_compile_wrapper(model=compiled, backend=counting_backend, keys=["diffusion_model"])
+    torch._dynamo.reset()
+    seen = None
+    for s in (0.5, 1.0, 0.5):
+        m, _ = comfy.sd.load_lora_for_models(compiled, None, lora, s, 0)
+        assert isinstance(m, SwapModelPatcher)
+        assert torch.equal(sample(m), plain[s]), f"compiled run at strength {s} differs"
+        seen = len(compiles) if seen is None else seen
+        assert len(compiles) == seen, f"strength {s} compiled again: {len(compiles)} compiles, {seen} before"
+    assert seen > 0

@@ -246,3 +246,12 @@ def test_auto_window_copies_further_ahead_when_that_is_faster():
     bound = replace(stalls, compute_s=0.45, link_bytes_per_s=27.7e9)
     assert plan_window(bound).prefetch == 1 and plan_window(bound).bound == "copy-bound"
     assert "prefetch 2 (set 1): by the measured rates" in plan.line()
+
+
+def test_compute_time_leaves_out_the_runs_first_call():
+    from ringswap.swap.stats import RunStats
+    st = RunStats(blocks=40, resident=7, streamed=33, ring_slots=2, window=8, prefetch=1, memory="pinned")
+    st.call_times, st.wait_s = [1.30, 0.95, 0.95, 0.95], 0.12   # 0.03 s of waits a call
+    assert st.compute_s == pytest.approx(0.92)
+    st.call_times, st.wait_s = [1.30], 0.1
+    assert st.compute_s == pytest.approx(1.20)
