@@ -207,3 +207,26 @@ def test_measured_activations_drop_the_inference_minimums_margin(stock):
     later = run_plan.plan_inputs(model, device, 10**12, request, conds=2)
     assert (later.activation_bytes, later.reserve_bytes) == (12345, int(mm.extra_reserved_memory()))
     assert run_plan.plan_inputs(model, device, 10**12, request, conds=1).activation_source == "ComfyUI's estimate"
+
+
+def test_wan22_two_experts_at_cfg_5(tmp_path):
+    """Wan 2.2's graph: two MODELs, two KSamplerAdvanced; each expert runs cond and uncond
+    in one call a step, and the latents equal the stock two-expert run."""
+    paths = [tiny_wan(str(tmp_path), blocks=4, seed=s) for s in (1, 2)]
+
+    def two_experts(high, low):
+        adv = comfy_nodes.KSamplerAdvanced()
+        (mid,) = adv.sample(high, "enable", 5, 4, CFG, "euler", "simple", conditioning(1), conditioning(2),
+                            latent(), 0, 2, "enable")
+        (out,) = adv.sample(low, "disable", 5, 4, CFG, "euler", "simple", conditioning(1), conditioning(2),
+                            mid, 2, 10000, "disable")
+        return out["samples"].clone()
+
+    stock = [load_stock(p) for p in paths]
+    ref = two_experts(*stock)
+    comfy.model_management.unload_all_models()
+    high, low = (patched(m, window=1) for m in stock)
+    with CallCounter(high) as a, CallCounter(low) as b:
+        out = two_experts(high, low)
+    assert torch.equal(out, ref)
+    assert a.batches == [2, 2] and b.batches == [2, 2], (a.batches, b.batches)
