@@ -79,6 +79,10 @@ def test_plan_for_a_listed_model(server):
     assert (budgeted["window"], budgeted["prefetch"], budgeted["ring_slots"]) == (2, 1, 2), budgeted["line"]
     _, over = get(server, model=UNET, width=64, height=64, frames=5, vram_budget_gb=budget, window=3)
     assert over["over_bytes"] > 0 and "over the room for blocks" in over["line"]
+    # cond + uncond (conds=2): the plan for their batched call, the same budget, fewer blocks
+    _, cfg = get(server, model=UNET, width=64, height=64, frames=5, vram_budget_gb=budget, conds=2)
+    assert cfg["batched"] and cfg["calls_per_step"] == 1 and cfg["activation_bytes"] > plan["activation_bytes"]
+    assert cfg["window"] < budgeted["window"] and "2 conds a step batched in 1 model call" in cfg["line"]
     _, none = get(server, model=UNET, width=64, height=64, frames=5, vram_budget_gb=0.0001)
     assert none["fits"] is False and "not even one block fits" in none["error"]
 
