@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
 from compare_child import CONFIGS, child  # noqa: E402
 from link_load import LinkLoad  # noqa: E402
-from compare_table import rounds_joined, table  # noqa: E402
+from compare_table import rounds_joined, scenario, table  # noqa: E402
 from compare_targets import targets  # noqa: E402
 
 # (configuration, cap GiB or None = each of --caps); 0 = no cap
@@ -83,7 +83,8 @@ def plan_cells(a) -> list[dict]:
                     on = "full" if not cap and CONFIGS[name].kind in ("floor", "comfy") else link
                     if (fmt, cfg, on, name, cap) not in seen:
                         seen.add((fmt, cfg, on, name, cap))
-                        cells.append({"format": fmt, "cfg": cfg, "link": on, "config": name, "cap_gib": cap})
+                        cells.append({"format": fmt, "cfg": cfg, "link": on, "config": name, "cap_gib": cap,
+                                      **({"lora_rank": a.lora_rank} if getattr(a, "lora_rank", 0) else {})})
     if a.repeat > 1:   # whole rounds, so a drift of the machine spreads over every cell alike
         cells = [dict(c, round=r) for r in range(a.repeat) for c in cells]
     return cells
@@ -104,7 +105,7 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
     window = 2 if a.small and cell["cap_gib"] else a.window
     opts = ["--child", cell["config"], "--path", path, "--window", str(window), "--cfg", str(cell.get("cfg", 1.0)),
             *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun",
-                                    "rerun_steps"])]
+                                    "rerun_steps", "lora_rank"])]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
     if runtime(a) == "device":
@@ -172,7 +173,7 @@ def merge(a) -> None:
             data = json.load(f)
         env = data.get("env", env)
         for c in data["cells"]:
-            key = (c["format"], c.get("cfg", 1.0), c.get("link", "full"), c["config"], c["cap_gib"], c.get("round", 0))
+            key = scenario(c) + (c["config"], c["cap_gib"], c.get("round", 0))
             if key not in cells or "rows" in c or "rows" not in cells[key]:
                 cells[key] = c
     print(save(a, list(cells.values()), env))
@@ -199,6 +200,9 @@ def main() -> None:
     ap.add_argument("--cfgs", type=float, nargs="+", default=[1.0],
                     help="cfg of the sampling runs, one set of cells each (cfg > 1: cond + uncond a step)")
     ap.add_argument("--cfg", type=float, default=1.0, help=argparse.SUPPRESS)
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="a LoRA of this rank on every block linear, applied as LoraLoaderModelOnly does, "
+                         "to the sampled configurations (0 = none)")
     ap.add_argument("--links", nargs="+", default=["full"], choices=["full", "halved"],
                     help="halved: a second process copies pinned memory to the GPU in a loop beside the cell "
                          "(bench/link_load.py: a PCIe 4.0-class link on the H200)")

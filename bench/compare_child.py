@@ -58,8 +58,30 @@ def start_comfy(cfg: Config, device: str):
     return comfy_start.start_comfy(device, cfg.dynamic, disable_dynamic=cfg.comfy == "0.33" and not cfg.dynamic)
 
 
+def block_lora(patcher, rank: int, seed: int = 0) -> dict:
+    """A rank-`rank` LoRA (bf16, ComfyUI's generic key format) on every linear layer of every
+    transformer block of `patcher`'s model."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, mod in patcher.model.diffusion_model.named_modules():
+        if name.startswith("blocks.") and hasattr(mod, "in_features") and hasattr(mod, "out_features"):
+            key = f"diffusion_model.{name}"
+            sd[f"{key}.lora_up.weight"] = (torch.randn(mod.out_features, rank, generator=g) * 0.01).bfloat16()
+            sd[f"{key}.lora_down.weight"] = (torch.randn(rank, mod.in_features, generator=g) * 0.01).bfloat16()
+    return sd
+
+
+def with_lora(model, a):
+    """`model` with --lora-rank's LoRA applied as the stock LoraLoaderModelOnly does (strength 1)."""
+    if not a.lora_rank:
+        return model
+    import comfy.sd
+    return comfy.sd.load_lora_for_models(model, None, block_lora(model, a.lora_rank), 1.0, 0)[0]
+
+
 def build(cfg: Config, a, dev: torch.device):
-    """(the object to step, how to step it: "direct" or "sample", the ComfyUI patcher)."""
+    """(the object to step, how to step it: "direct" or "sample", the ComfyUI patcher); with
+    --lora-rank, the sampled MODELs carry the LoRA (the direct ones run without it)."""
     import comfy.sd
     from ringswap.loaders.model_loader import load_swapped_model
     from ringswap.loaders.swap_patcher import SwapSettings
@@ -68,14 +90,17 @@ def build(cfg: Config, a, dev: torch.device):
             from io_rates import drop_page_cache
             drop_page_cache(a.path, "auto")
         home = "disk" if cfg.kind == "disk" else "ram"
-        model = load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home, disk_workers=a.workers)
+        model = with_lora(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home,
+                                             disk_workers=a.workers), a)
         return model, "sample", model
     stock = comfy.sd.load_diffusion_model(a.path)
     if cfg.kind == "comfy":
+        stock = with_lora(stock, a)
         return stock, "sample", stock
     if cfg.kind == "patch":
         from ringswap.nodes.patch import RingSwapPatch
         (model,) = RingSwapPatch().patch(stock, a.window, 1, "auto")
+        model = with_lora(model, a)
         return model, "sample", model
     dm = stock.model.diffusion_model
     if cfg.kind == "floor":

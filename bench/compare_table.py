@@ -14,8 +14,10 @@ HEADERS = ["format, cfg, link", "cap GiB", "configuration", "tokens", "s/step", 
 
 
 def scenario(c: dict) -> tuple:
-    """(format, cfg, link) of a cell: the workload it ran (cells of older runs: cfg 1, full link)."""
-    return c["format"], c.get("cfg", 1.0), c.get("link", "full")
+    """(format and LoRA rank, cfg, link) of a cell: the workload it ran (cells of older runs:
+    no LoRA, cfg 1, full link)."""
+    lora = f" + LoRA rank {c['lora_rank']}" if c.get("lora_rank") else ""
+    return c["format"] + lora, c.get("cfg", 1.0), c.get("link", "full")
 
 
 def rounds_joined(cells: list[dict]) -> list[dict]:

@@ -180,3 +180,17 @@ def test_cfg_and_halved_link_are_dimensions_of_the_cells():
     assert "1.00 model calls a step" in row
     line = _line(compare_targets.targets([resident, rs], LINK), "- bf16 cfg 5 link halved 12 GiB rs-patch-0.33-dyn")
     assert "x1.020 resident (ok <= 1.05, cfg 5 12 GiB halved)" in line
+
+
+def test_a_lora_cell_is_its_own_workload_held_to_the_run_without_it():
+    plain = copy.deepcopy(_cell("rs-patch-0.33-dyn", 24.0))
+    lora = copy.deepcopy(plain)
+    lora["lora_rank"] = 64
+    for r in lora["rows"]:
+        r["s_per_step"] *= 1.02
+    out = compare_table.table([plain, lora])
+    assert _line(out, "| bf16 + LoRA rank 64, cfg 1, link full | 24 | rs-patch-0.33-dyn: RingSwap Patch, auto window, "
+                 "ComfyUI 0.33 dynamic | 7,800 |")
+    line = _line(compare_targets.targets([plain, lora], LINK), "- bf16 + LoRA rank 64 cfg 1 link full 24 GiB "
+                 "rs-patch-0.33-dyn 7,800 tokens")
+    assert "LoRA x1.020 the same run without it (ok <= 1.03)" in line
