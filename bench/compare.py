@@ -84,7 +84,8 @@ def plan_cells(a) -> list[dict]:
                     if (fmt, cfg, on, name, cap) not in seen:
                         seen.add((fmt, cfg, on, name, cap))
                         cells.append({"format": fmt, "cfg": cfg, "link": on, "config": name, "cap_gib": cap,
-                                      **({"lora_rank": a.lora_rank} if getattr(a, "lora_rank", 0) else {})})
+                                      **({"lora_rank": a.lora_rank} if getattr(a, "lora_rank", 0) else {}),
+                                      **({"compile": a.compile} if getattr(a, "compile", None) else {})})
     if a.repeat > 1:   # whole rounds, so a drift of the machine spreads over every cell alike
         cells = [dict(c, round=r) for r in range(a.repeat) for c in cells]
     return cells
@@ -105,7 +106,7 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
     window = 2 if a.small and cell["cap_gib"] else a.window
     opts = ["--child", cell["config"], "--path", path, "--window", str(window), "--cfg", str(cell.get("cfg", 1.0)),
             *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun",
-                                    "rerun_steps", "lora_rank"])]
+                                    "rerun_steps", "lora_rank", "compile"])]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
     if runtime(a) == "device":
@@ -203,6 +204,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=0,
                     help="a LoRA of this rank on every block linear, applied as LoraLoaderModelOnly does, "
                          "to the sampled configurations (0 = none)")
+    ap.add_argument("--compile", default=None, metavar="BACKEND",
+                    help="compile the sampled configurations as ComfyUI's TorchCompileModel does (e.g. inductor)")
     ap.add_argument("--links", nargs="+", default=["full"], choices=["full", "halved"],
                     help="halved: a second process copies pinned memory to the GPU in a loop beside the cell "
                          "(bench/link_load.py: a PCIe 4.0-class link on the H200)")

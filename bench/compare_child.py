@@ -79,9 +79,21 @@ def with_lora(model, a):
     return comfy.sd.load_lora_for_models(model, None, block_lora(model, a.lora_rank), 1.0, 0)[0]
 
 
+def with_compile(model, a):
+    """`model` compiled as ComfyUI's TorchCompileModel node does (the whole diffusion model,
+    backend --compile), or `model` itself without --compile."""
+    if not a.compile:
+        return model
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    compiled = model.clone()
+    set_torch_compile_wrapper(model=compiled, backend=a.compile)
+    return compiled
+
+
 def build(cfg: Config, a, dev: torch.device):
     """(the object to step, how to step it: "direct" or "sample", the ComfyUI patcher); with
-    --lora-rank, the sampled MODELs carry the LoRA (the direct ones run without it)."""
+    --lora-rank, the sampled MODELs carry the LoRA, with --compile they are compiled (the
+    direct ones run without either)."""
     import comfy.sd
     from ringswap.loaders.model_loader import load_swapped_model
     from ringswap.loaders.swap_patcher import SwapSettings
@@ -90,17 +102,17 @@ def build(cfg: Config, a, dev: torch.device):
             from io_rates import drop_page_cache
             drop_page_cache(a.path, "auto")
         home = "disk" if cfg.kind == "disk" else "ram"
-        model = with_lora(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home,
-                                             disk_workers=a.workers), a)
+        model = with_compile(with_lora(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home,
+                                                          disk_workers=a.workers), a), a)
         return model, "sample", model
     stock = comfy.sd.load_diffusion_model(a.path)
     if cfg.kind == "comfy":
-        stock = with_lora(stock, a)
+        stock = with_compile(with_lora(stock, a), a)
         return stock, "sample", stock
     if cfg.kind == "patch":
         from ringswap.nodes.patch import RingSwapPatch
         (model,) = RingSwapPatch().patch(stock, a.window, 1, "auto")
-        model = with_lora(model, a)
+        model = with_compile(with_lora(model, a), a)
         return model, "sample", model
     dm = stock.model.diffusion_model
     if cfg.kind == "floor":

@@ -14,10 +14,11 @@ HEADERS = ["format, cfg, link", "cap GiB", "configuration", "tokens", "s/step", 
 
 
 def scenario(c: dict) -> tuple:
-    """(format and LoRA rank, cfg, link) of a cell: the workload it ran (cells of older runs:
-    no LoRA, cfg 1, full link)."""
+    """(format with LoRA rank and compile backend, cfg, link) of a cell: the workload it ran
+    (cells of older runs: no LoRA, not compiled, cfg 1, full link)."""
     lora = f" + LoRA rank {c['lora_rank']}" if c.get("lora_rank") else ""
-    return c["format"] + lora, c.get("cfg", 1.0), c.get("link", "full")
+    compiled = f" + compile {c['compile']}" if c.get("compile") else ""
+    return c["format"] + lora + compiled, c.get("cfg", 1.0), c.get("link", "full")
 
 
 def rounds_joined(cells: list[dict]) -> list[dict]:
