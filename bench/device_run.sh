@@ -104,7 +104,7 @@ for p in "$@"; do
     compare-fp8-lora) compare fp8_lora 420 --formats scaled_fp8 --tokens 7800 --cfgs 1 --links halved --caps 12 \
                         --lora-rank 64 --configs rs-loader-0.33-dyn comfy-0.33-dyn rs-loader-0.3.75 comfy-0.3.75 ;;
     compare-compile) compare compile 560 --tokens 7800 --caps 24 --compile inductor \
-                       --configs comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.33@0 rs-patch-0.33-dyn ;;
+                       --configs comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.33-dyn@0 rs-patch-0.33-dyn ;;
     compare-smoke) compare smoke 300 --configs floor diffusers rs-patch-0.33-dyn --caps 24 --tokens 7800 ;;
     live-033) part live_033 150 0.33 "" python3 bench/live_overhead.py --json "$OUT/live_033.json" ;;
     gap) part gap 300 0.3.75 0 python3 bench/gap_profile.py --json "$OUT/gap.json" ;;
