@@ -46,6 +46,7 @@ class RunRequest:
 
 
 MEASURED = "measured on an earlier run"
+LINE_SLACK = 1.25   # see free_for_batching
 SLACK = 64 * 2**20   # small tensors kept between runs (latents, conds) and the allocator's rounding
 
 
@@ -120,13 +121,15 @@ def _calc_cond_batch(executor, model, conds, x_in, timestep, model_options, *arg
 def free_for_batching(patcher, free_bytes: int) -> int:
     """The free memory ComfyUI's calc_cond_batch sees for `patcher`: it batches the step's
     conds when its estimate x BATCH_MARGIN is below this. So the answer follows the plan:
-    above that line when the plan batches (it planned room for the batched call), at most
-    at it when the plan runs one call per cond; the true free memory without a plan."""
+    above that line when the plan batches (it planned room for the batched call; with
+    LINE_SLACK for an estimate at call time a little above the one at the run's start, less
+    than one more cond adds), at most at it when the plan runs one call per cond; the true
+    free memory without a plan."""
     plan, request = patcher.__dict__.get("_ringswap_plan"), request_of(patcher)
     if plan is None or request is None or patcher.swap_engine.att is None or request.conds_per_step <= 1:
         return free_bytes
     line = int(features.BATCH_MARGIN * request.estimate_for(plan.inputs.conds_per_step))
-    return max(free_bytes, line + 1) if plan.batched else min(free_bytes, line)
+    return max(free_bytes, int(line * LINE_SLACK) + 1) if plan.batched else min(free_bytes, line)
 
 
 def request_of(patcher) -> RunRequest | None:
