@@ -213,8 +213,7 @@ class SafetensorsIndex:
             raise SafetensorsError(f"{self.path}: cannot open: {e.strerror or e}") from e
         with f:
             for info in infos:
-                buf = bytearray(info.nbytes)
-                view = memoryview(buf)
+                raw, view = _buffer_like_mmap(info.nbytes, info.start)
                 got = 0
                 while got < info.nbytes:
                     try:
@@ -230,8 +229,29 @@ class SafetensorsIndex:
                                                "(truncated or replaced after it was indexed?)")
                     got += k
                 if info.nbytes:
-                    t = torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype)
+                    t = _typed(raw, info.dtype)
                 else:
                     t = torch.empty(0, dtype=info.dtype)
                 out[info.name] = t.reshape(info.shape)
         return out
+
+
+ALIGN = 64   # a read tensor's address mod ALIGN equals its file offset's, as in a view into an mmap
+
+
+def _buffer_like_mmap(nbytes: int, file_offset: int) -> tuple[torch.Tensor, memoryview]:
+    """A host buffer of `nbytes` whose address mod ALIGN equals `file_offset`'s, the
+    alignment ComfyUI's own loader leaves a tensor at when it keeps a view into safetensors'
+    mmap (CPU matmuls round differently at other alignments: issue "bit-identical on every
+    quantized file"); (its bytes as a uint8 tensor, a writable view of them)."""
+    buf = bytearray(nbytes + ALIGN)
+    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    shift = (file_offset - whole.data_ptr()) % ALIGN
+    return whole[shift:shift + nbytes], memoryview(buf)[shift:shift + nbytes]
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`raw` (uint8) as `dtype`; a copy where its address does not fit the dtype's size."""
+    if raw.data_ptr() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype)

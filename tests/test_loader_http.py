@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from conftest import COMFY, CUDA, SERVER_ARGS
 from ringswap.loaders import comfy_features as features
 from support.comfy_server import ComfyServer
-from support.quant_files import write_quant_wan
+from support.quant_files import file_offset, write_misaligned_quant_wan, write_quant_wan
 from support.wan_files import write_tiny_wan
 from support.workflows import build_workflow
 
@@ -96,6 +96,7 @@ def test_loader_workflow_latent_equals_stock(server):
 
 
 QUANT_FORMATS = ("scaled_fp8", "quant_metadata") + (("comfy_quant", "nvfp4") if features.reads_comfy_quant() else ())
+MISALIGNED_FORMATS = ("quant_metadata",) + (("comfy_quant", "nvfp4") if features.reads_comfy_quant() else ())
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +107,22 @@ def quant_server(tmp_path_factory):
     for fmt in QUANT_FORMATS:
         write_quant_wan(os.path.join(models, "diffusion_models", f"q_{fmt}.safetensors"), fmt,
                         dim=256, num_layers=4, ffn_dim=1024)
+    for fmt in MISALIGNED_FORMATS:   # float32 non-block tensors at 8 mod 16 in the file
+        path = os.path.join(models, "diffusion_models", f"q32_{fmt}.safetensors")
+        write_misaligned_quant_wan(path, fmt, dim=256, num_layers=4, ffn_dim=1024)
+        assert file_offset(path, "time_embedding.0.weight") % 16 == 8
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS, env=env) as srv:
         yield srv
 
 
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
-def test_quantized_loader_workflow_equals_stock(quant_server, fmt):
+@pytest.mark.parametrize("unet", [f"q_{f}.safetensors" for f in QUANT_FORMATS]
+                         + [f"q32_{f}.safetensors" for f in MISALIGNED_FORMATS])
+def test_quantized_loader_workflow_equals_stock(quant_server, unet):
     """As a new user would: UNETLoader and RingSwapModelLoader (window 2, prefetch 1) on the
-    same quantized file, both homes, give the same latent bit for bit."""
-    unet = f"q_{fmt}.safetensors"
+    same quantized file, both homes, give the same latent bit for bit (q32_: float32 non-block
+    tensors at file offsets 8 mod 16)."""
+    fmt = unet[:-len(".safetensors")]
     ref = latent_of(quant_server, quant_server.run(
         build_workflow(unet, use_patch=False, seed=5, steps=2, filename_prefix=f"stock_{fmt}"), timeout=300))
     for home in ("ram", "disk"):

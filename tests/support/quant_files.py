@@ -132,10 +132,11 @@ def encode_state_dict(sd: dict, fmt: str, num_layers: int, other_dtype=torch.bfl
 
 
 def write_quant_wan(path, fmt, dim=128, num_layers=2, ffn_dim=256, seed=0,
-                    other_dtype=torch.bfloat16) -> dict:
+                    other_dtype=torch.bfloat16, pad: int = 0) -> dict:
     """Write a tiny random Wan t2v model in format ``fmt`` (one of FORMATS) to ``path``.
 
-    The float values are those of ``build_tiny_wan_state_dict(dim, num_layers, ffn_dim,
+    ``pad``: that many more header bytes (moves every tensor's file offset; the header is
+    padded to 8 bytes). The float values are those of ``build_tiny_wan_state_dict(dim, num_layers, ffn_dim,
     float32, seed)`` (so ``original_state_dict`` gives the pre-quantization weights).
     Returns {"path", "fmt", "dim", "blocks", "ffn_dim", "seed", "bytes", "block_bytes",
     "quantized_layers", "other_dtype", "metadata_keys"}.
@@ -148,7 +149,7 @@ def write_quant_wan(path, fmt, dim=128, num_layers=2, ffn_dim=256, seed=0,
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     save_file(tensors, tmp, metadata={"ringswap_test": f"tiny_wan_{fmt}", "seed": str(seed),
-                                      **meta})
+                                      **({"ringswap_pad": "." * pad} if pad else {}), **meta})
     os.replace(tmp, path)
     block_bytes = sum(t.numel() * t.element_size() for k, t in tensors.items()
                       if k.startswith("blocks.0."))
@@ -157,6 +158,25 @@ def write_quant_wan(path, fmt, dim=128, num_layers=2, ffn_dim=256, seed=0,
             "quantized_layers": [] if fmt in PLAIN_DTYPES else quantized_layer_names(num_layers),
             "other_dtype": None if fmt in PLAIN_DTYPES else str(other_dtype),
             "metadata_keys": sorted(meta)}
+
+
+def file_offset(path, name: str) -> int:
+    """Where tensor `name`'s bytes start in the safetensors file at `path` (from its header)."""
+    import struct
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return 8 + n + header[name]["data_offsets"][0]
+
+
+def write_misaligned_quant_wan(path, fmt, probe="time_embedding.0.weight", **kw) -> dict:
+    """write_quant_wan with float32 non-block tensors and the header padded until `probe`'s
+    file offset is 8 mod 16 (MKL's CPU matmul rounds differently there than at 0 mod 16)."""
+    for pad in range(0, 64, 4):
+        info = write_quant_wan(path, fmt, other_dtype=torch.float32, pad=pad, **kw)
+        if file_offset(path, probe) % 16 == 8:
+            return info
+    raise AssertionError(f"{path}: no header padding puts {probe} at 8 mod 16")
 
 
 def original_state_dict(dim=128, num_layers=2, ffn_dim=256, seed=0) -> dict:
