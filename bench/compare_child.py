@@ -90,6 +90,11 @@ def with_compile(model, a):
     return compiled
 
 
+def as_sampled(model, a):
+    """`model` as a sampled configuration runs it: with --lora-rank's LoRA, then --compile."""
+    return with_compile(with_lora(model, a), a)
+
+
 def build(cfg: Config, a, dev: torch.device):
     """(the object to step, how to step it: "direct" or "sample", the ComfyUI patcher); with
     --lora-rank, the sampled MODELs carry the LoRA, with --compile they are compiled (the
@@ -102,17 +107,17 @@ def build(cfg: Config, a, dev: torch.device):
             from io_rates import drop_page_cache
             drop_page_cache(a.path, "auto")
         home = "disk" if cfg.kind == "disk" else "ram"
-        model = with_compile(with_lora(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home,
-                                                          disk_workers=a.workers), a), a)
+        model = as_sampled(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home,
+                                              disk_workers=a.workers), a)
         return model, "sample", model
     stock = comfy.sd.load_diffusion_model(a.path)
     if cfg.kind == "comfy":
-        stock = with_compile(with_lora(stock, a), a)
+        stock = as_sampled(stock, a)
         return stock, "sample", stock
     if cfg.kind == "patch":
         from ringswap.nodes.patch import RingSwapPatch
         (model,) = RingSwapPatch().patch(stock, a.window, 1, "auto")
-        model = with_compile(with_lora(model, a), a)
+        model = as_sampled(model, a)
         return model, "sample", model
     dm = stock.model.diffusion_model
     if cfg.kind == "floor":

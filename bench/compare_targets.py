@@ -94,8 +94,7 @@ def _lora_target(speeds: dict, c: dict, r: dict) -> str:
     """Issue 24: with a LoRA on every block linear, <= 1.03 x the same cell without it."""
     if not c.get("lora_rank"):
         return ""
-    _, cfg, link = scenario(c)
-    plain = speeds.get((c["format"], cfg, link, c["config"], c["cap_gib"], r["tokens"]))
+    plain = speeds.get(scenario({**c, "lora_rank": 0}) + (c["config"], c["cap_gib"], r["tokens"]))
     if not plain:
         return "LoRA: no run without it to hold it to"
     x = r["s_per_step"] / plain

@@ -86,12 +86,13 @@ def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: in
     shape = latent_shape(facts.model, width, height, frames, batch)
     device = comfy.model_management.get_torch_device()
     everything = device.type == "cpu" and not vram_budget_gb and not window
+    free, reserve = free_for_run(device), features.reserved_vram()
 
     def inputs(per_call: int) -> PlanInputs:
         call = [shape[0] * per_call] + list(shape[1:])
         return PlanInputs(
-            block_sizes=facts.block_sizes, nonblock_bytes=facts.nonblock_bytes, free_bytes=free_for_run(device),
-            reserve_bytes=features.reserved_vram(), activation_bytes=int(facts.model.memory_required(call)),
+            block_sizes=facts.block_sizes, nonblock_bytes=facts.nonblock_bytes, free_bytes=free,
+            reserve_bytes=reserve, activation_bytes=int(facts.model.memory_required(call)),
             activation_source="ComfyUI's estimate", budget_bytes=int(vram_budget_gb * GB),
             window=len(facts.block_sizes) if everything else window, prefetch=prefetch, device=str(device),
             tokens=tokens(facts.model.diffusion_model, tuple(call)), conds_per_step=conds, conds_per_call=per_call)

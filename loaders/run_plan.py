@@ -156,9 +156,9 @@ def _compute_s(patcher, request: RunRequest | None, conds: int) -> float:
     from a call of the same latent with another number of conds; 0 if none ran."""
     if request is None:
         return 0.0
-    for (shape, k), m in patcher.swap_state.measured.items():
-        if shape == request.noise_shape and m.compute_s > 0 and k == conds:
-            return m.compute_s
+    exact = measured_for(patcher, request, conds)
+    if exact is not None and exact.compute_s > 0:
+        return exact.compute_s
     for (shape, k), m in patcher.swap_state.measured.items():
         if shape == request.noise_shape and m.compute_s > 0:
             return m.compute_s * conds / k
