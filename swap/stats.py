@@ -1,6 +1,7 @@
 """What one sampling run moved and how well the copies hid under compute."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -20,7 +21,7 @@ class RunStats:
     forwards: int = 0      # streamed-block forwards
     bytes_read: int = 0    # home=disk: bytes read from the file
     read_wait_s: float = 0.0   # home=disk: time the block loop waited for reads
-    land_times: list = field(default_factory=list)   # device seconds of each on-land (LoRA fold) on streamed blocks
+    land_times: list = field(default_factory=list)   # device seconds of each streamed block's on-land (LoRA fold)
     calls: int = 0         # model calls (forwards of all blocks)
     unplanned: int = 0     # streamed blocks called before their copy was issued (fetched then)
     call_times: list = field(default_factory=list)   # device seconds of each model call
@@ -54,13 +55,10 @@ class RunStats:
         return max(0.0, (sum(calls) - self.wait_s * len(calls) / n) / len(calls))
 
     @property
-    def land_s(self) -> float:
-        return sum(self.land_times)
-
-    @property
     def fold_s_per_block(self) -> float:
-        """Mean device time of the on-land work (LoRA fold) per streamed-block forward."""
-        return self.land_s / self.forwards if self.forwards else 0.0
+        """Median device time of a streamed block's on-land work (LoRA fold): the median, as the
+        first folds also wait for kernel compiles and the LoRA pairs' first copy."""
+        return statistics.median(self.land_times) if self.land_times else 0.0
 
     @property
     def hidden_s(self) -> float:

@@ -94,6 +94,50 @@ def test_every_window_and_prefetch_is_bit_exact(home):
         assert torch.equal(run(blocks, X), ref), "detached blocks point at their home"
 
 
+@pytest.mark.parametrize("home", ["ram", "disk"])
+def test_on_land_runs_once_per_copy_before_the_block_computes(home):
+    """The on-land work (LoRA fold) runs with each streamed block's copy, after its bytes land
+    and before the block computes; resident blocks get it once at attach; a block that stays
+    in its slot is not folded again. Here it doubles the Linear's bias: the output must equal
+    the doubled model's at every window, every call."""
+    blocks = make_blocks()
+    doubled = make_blocks()
+    for b in doubled:
+        b.lin.bias.data.mul_(2)
+    want = run(doubled, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
+    bias = next(a.entries[0] for a in engine.states[0].layout.attrs if (a.path, a.name) == ("lin", "bias"))
+    events = []
+
+    def on_land(block, tensors):
+        assert tensors[bias].data_ptr() != 0
+        tensors[bias].mul_(2)
+        events.append(("fold", block))
+
+    probes = [b.register_forward_hook(lambda m, a, o, i=i: events.append(("run", i))) for i, b in enumerate(blocks)]
+    try:
+        for window, prefetch in ((1, 0), (2, 1), (3, 2), (N, 1)):
+            events.clear()
+            plan = engine.attach("cpu", window, prefetch, on_land=on_land)
+            primed = list(engine.att.upcoming()[:plan.ring_slots]) if home == "ram" else []   # disk: once read
+            assert sorted(b for e, b in events if e == "fold") == sorted(list(plan.resident) + primed)
+            for _ in range(3):
+                assert torch.equal(run(blocks, X), want), (home, window, prefetch)
+            stats = engine.end_run()
+            folds = [b for e, b in events if e == "fold" and b in plan.streamed]
+            for b in plan.streamed:
+                runs = [k for k, e in enumerate(events) if e == ("run", b)]
+                lands = [k for k, e in enumerate(events) if e == ("fold", b)]
+                assert all(any(f < r for f in lands) for r in runs), (b, events)
+            if stats is not None and home == "ram":   # one fold per copy (the primed ones: at attach)
+                assert len(stats.land_times) == stats.copies == len(folds) - plan.ring_slots
+            engine.detach()
+    finally:
+        for p in probes:
+            p.remove()
+
+
 def test_plan():
     p = ResidencyPlan.make(40, 4, 1)
     assert len(p.resident) == 3 and len(p.streamed) == 37 and p.ring_slots == 2
