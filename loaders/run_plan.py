@@ -187,7 +187,6 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
         window=settings.window if window is None else window, prefetch=settings.prefetch, device=str(device),
         tokens=conds * tokens(patcher.model.diffusion_model, request.noise_shape) if request is not None else 0,
         link_bytes_per_s=engine.link_bytes_per_s, compute_s=_compute_s(patcher, request, conds),
-        fold_s=engine.fold_s if patcher.patches else 0.0,
         conds_per_step=per_step, conds_per_call=min(conds, per_step))
 
 

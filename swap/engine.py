@@ -59,7 +59,6 @@ class BlockSwapEngine:
         self.pool = HostPool()
         self.att: Attachment | None = None
         self.link_bytes_per_s = 0.0   # host-to-device rate of the last run's copies from a pinned home
-        self.fold_s = 0.0             # device seconds of one streamed block's on-land work, last run with one
         self.faults = None            # test hook: .check(call, block) may raise (see recovery.FaultInjector)
         self.orders: dict[tuple[int, ...], tuple[int, ...]] = {}   # streamed blocks -> their learned call order
         self.observer: Callable[[], None] | None = None   # called before each streamed block and model call (keep it cheap)
@@ -115,10 +114,9 @@ class BlockSwapEngine:
                pin_memory: str = "auto", owner: object = None,
                on_land: Callable[[int, list[torch.Tensor]], None] | None = None) -> ResidencyPlan:
         """Place resident blocks on `device`, hook the streamed ones and prime the ring.
-        `on_land(block, tensors)` runs right after a block's weights land on the device and
-        before it computes (e.g. to fold LoRA deltas in place): for a streamed block on the
-        copy stream after each copy, for a resident one once here; the host copy is never
-        touched. Attaching again with the same settings keeps
+        `on_land(block, tensors)` runs on the compute stream right after a block's weights
+        land on the device and before it computes (e.g. to fold LoRA deltas in place);
+        the host copy is never touched. Attaching again with the same settings keeps
         everything and only takes `owner`."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -214,6 +212,7 @@ class BlockSwapEngine:
         att = self.att
         s = self.states[block]
         slot.owner = block
+        slot.landed = False
         att.stats.copies += 1
         att.stats.bytes_copied += s.layout.nbytes
         if att.readahead is not None:
@@ -228,15 +227,7 @@ class BlockSwapEngine:
             staged = slot.staging.flat[:s.layout.nbytes]
             staged.copy_(src)
             src = staged
-        slot.ready = att.copier.copy(slot.flat[:s.layout.nbytes], src, slot.free, self._fold(block, slot))
-
-    def _fold(self, block: int, slot: Slot) -> Callable[[], None] | None:
-        """The on-land work of `block` in `slot`, run on the copy stream after its copy."""
-        on_land = self.att.on_land
-        if on_land is None:
-            return None
-        views = slot.views(self.states[block].layout)
-        return lambda: on_land(block, views)
+        slot.ready = att.copier.copy(slot.flat[:s.layout.nbytes], src, slot.free)
 
     def _land(self, slot: Slot, wait: bool) -> None:
         """home=disk: copy a slot's block from its staging buffer once the read is done."""
@@ -256,8 +247,7 @@ class BlockSwapEngine:
             staged = att.readahead.take(block, nbytes)
             att.stats.read_wait_s += time.perf_counter() - t0
         staged.future.result()
-        slot.ready = att.copier.copy(slot.flat[:nbytes], staged.buffer.flat[:nbytes], slot.free,
-                                     self._fold(block, slot))
+        slot.ready = att.copier.copy(slot.flat[:nbytes], staged.buffer.flat[:nbytes], slot.free)
         att.readahead.release(staged, slot.ready)
         slot.loading = None
         att.stats.bytes_read += nbytes
@@ -294,6 +284,9 @@ class BlockSwapEngine:
         s = self.states[block]
         s.slot = slot
         views = slot.views(s.layout)
+        if att.on_land is not None and not slot.landed:
+            att.copier.timed_compute(att.on_land, block, views)
+        slot.landed = True
         s.binding.bind(views)   # joined afresh: ComfyUI's quantized tensors keep state from their last use
         att.stats.forwards += 1
         if self.observer is not None:
@@ -352,8 +345,6 @@ class BlockSwapEngine:
         stats.add_times(*att.copier.take_times())
         if stats.gbps > 0 and self.home == "ram" and att.memory == "pinned":
             self.link_bytes_per_s = stats.gbps * 1e9
-        if stats.land_times:
-            self.fold_s = stats.fold_s_per_block
         return stats
 
     def end_run(self) -> RunStats | None:

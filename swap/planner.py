@@ -41,7 +41,6 @@ class PlanInputs:
     tokens: int = 0                  # tokens of one model call (for the plan line; 0 = unknown)
     link_bytes_per_s: float = 0.0    # measured host-to-device copy rate (0 = not measured yet)
     compute_s: float = 0.0           # measured device time of one model call (0 = not measured yet)
-    fold_s: float = 0.0              # measured copy-stream time of one streamed block's LoRA fold (0: none)
     conds_per_step: int = 1          # conds the sampler computes each step (cond + uncond: 2)
     conds_per_call: int = 1          # of those, computed together in one model call under this plan
 
@@ -114,7 +113,7 @@ class WindowPlan:
         if not self.timed:
             return 0.0
         i = self.inputs
-        return call_seconds(i.block_sizes, self.residency, i.compute_s, i.link_bytes_per_s, i.fold_s)
+        return call_seconds(i.block_sizes, self.residency, i.compute_s, i.link_bytes_per_s)
 
     @property
     def step_cost(self) -> tuple[float, int]:
@@ -126,11 +125,8 @@ class WindowPlan:
 
     @property
     def copy_s(self) -> float:
-        """Seconds on the copy stream a model call: the streamed bytes and their LoRA folds."""
         rate = self.inputs.link_bytes_per_s
-        if rate <= 0:
-            return 0.0
-        return self.streamed_bytes / rate + len(self.residency.streamed) * self.inputs.fold_s
+        return self.streamed_bytes / rate if rate > 0 else 0.0
 
     @property
     def bound(self) -> str:

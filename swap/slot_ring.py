@@ -24,6 +24,7 @@ class Slot:
     ready: object = None                  # event: the owner's copy has landed
     free: object = None                   # event: the previous owner's compute is done
     loading: object = None                # home=disk: the owner's read is not copied yet
+    landed: bool = False                  # on_land has run for the current owner
     _views: dict = field(default_factory=dict)
 
     def views(self, layout: BlockLayout) -> list[torch.Tensor]:

@@ -1,9 +1,9 @@
 """How long one model call takes under a residency plan, by the engine's own rules.
 
 Pure arithmetic for the planner: blocks run in order, each taking an equal share of the
-call's compute; a streamed block waits for its copy; copies (each followed by its LoRA
-fold) run one at a time on the copy stream, each issued as soon as a ring slot is free (the
-streamed block that held it has run), and the ring wraps into the next call. Simulated over a few calls, so the result is
+call's compute; a streamed block waits for its copy; copies run one at a time on the copy
+stream, each issued as soon as a ring slot is free (the streamed block that held it has
+run), and the ring wraps into the next call. Simulated over a few calls, so the result is
 the steady state. Totals alone (copy time against compute time) miss the stalls where
 streamed blocks sit next to each other and prefetch cannot bank the resident blocks' slack
 (bench/RESULTS.md, cfg 5 on a halved link: 0.957 s simulated, 0.955-0.968 s measured).
@@ -16,10 +16,9 @@ CALLS = 4   # simulated calls; the last one is steady
 
 
 def call_seconds(block_sizes: tuple[int, ...], plan: ResidencyPlan, compute_s: float,
-                 link_bytes_per_s: float, fold_s: float = 0.0) -> float:
+                 link_bytes_per_s: float) -> float:
     """Seconds of one steady model call: `compute_s` of compute (no copy waits) spread evenly
-    over the blocks, streamed blocks copied at `link_bytes_per_s`, each copy followed by
-    `fold_s` of LoRA fold on the copy stream."""
+    over the blocks, streamed blocks copied at `link_bytes_per_s`."""
     if not plan.streamed or link_bytes_per_s <= 0:
         return compute_s
     per_block = compute_s / plan.num_blocks
@@ -32,7 +31,7 @@ def call_seconds(block_sizes: tuple[int, ...], plan: ResidencyPlan, compute_s: f
             if b in streamed:
                 j = len(ran)
                 issued = max(copy_free, ran[j - slots] if j >= slots else 0.0)
-                copy_free = issued + block_sizes[b] / link_bytes_per_s + fold_s
+                copy_free = issued + block_sizes[b] / link_bytes_per_s
                 now = max(now, copy_free)
                 now += per_block
                 ran.append(now)

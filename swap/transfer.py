@@ -1,16 +1,14 @@
 """Host-to-device copies on one dedicated stream, ordered by events.
 
 On CUDA every copy runs on a side stream: it first waits (GPU-side) for the event that
-says its destination slot is free, then (optionally) runs the block's on-land work (LoRA
-fold) on the same stream, then records an event that the compute stream waits on before
-the block runs: the fold hides under compute like the copy. The host never synchronises in the block loop. On a CPU
+says its destination slot is free, then records an event that the compute stream waits
+on before the block runs. The host never synchronises in the block loop. On a CPU
 "device" the same calls copy inline, so the engine's logic runs unchanged in CI.
 Copy and wait times are measured with timing events and read once per run.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import torch
 
@@ -26,16 +24,12 @@ class CopyStream:
         self._calls: list[tuple] = []    # (start, end) of each model call on the compute stream
         self._call_start = None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None",
-             then: "Callable[[], None] | None" = None):
-        """Copy src into dst once `after` has happened, then run `then()` (work on the landed
-        bytes) on the copy stream; returns the event of completion of both."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None"):
+        """Copy src into dst once `after` has happened; returns the event of completion."""
         if not self.cuda:
             t0 = time.perf_counter()
             dst.copy_(src)
             self._copies.append((time.perf_counter() - t0,))
-            if then is not None:
-                self._timed(then)
             return None
         with torch.cuda.stream(self.stream):
             if after is not None:
@@ -44,11 +38,7 @@ class CopyStream:
             start.record(self.stream)
             dst.copy_(src, non_blocking=True)
             done.record(self.stream)
-            self._copies.append((start, done))
-            if then is not None:
-                self._timed(then)
-                done = torch.cuda.Event()
-                done.record(self.stream)
+        self._copies.append((start, done))
         return done
 
     def compute_wait(self, ready: "torch.cuda.Event | None") -> None:
@@ -62,8 +52,8 @@ class CopyStream:
         after.record(stream)
         self._waits.append((before, after))
 
-    def _timed(self, fn, *args) -> None:
-        """Run `fn(*args)` (work on the current stream) and measure its device time."""
+    def timed_compute(self, fn, *args) -> None:
+        """Run `fn(*args)` (work on the compute stream) and measure its device time."""
         if not self.cuda:
             t0 = time.perf_counter()
             fn(*args)

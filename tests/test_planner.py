@@ -231,24 +231,6 @@ def test_call_seconds_follows_the_engines_rules(window, prefetch, compute, link,
     assert call_seconds(WAN, ResidencyPlan.make(40, 40, 1), compute, link) == compute
 
 
-def test_lora_folds_on_the_copy_stream_count_as_copy_time():
-    """A streamed block's LoRA fold runs on the copy stream after its copy: in the timing model
-    it takes the copy stream as long as that many more bytes would (fp8 + rank-64 LoRA at cfg 1
-    on a halved link: hidden; the same fold on a copy-bound plan: slower by the folds)."""
-    from ringswap.swap.timing import call_seconds
-    fp8 = (352_000_000,) * 40
-    plan, link, fold = ResidencyPlan.make(40, 21, 1), 28.2e9, 0.0011
-    widened = tuple(b + int(fold * link) for b in fp8)
-    assert call_seconds(fp8, plan, 0.45, link, fold) == pytest.approx(call_seconds(widened, plan, 0.45, link))
-    assert call_seconds(fp8, plan, 0.45, link, fold) == pytest.approx(0.45, abs=1e-3)   # hidden
-    tight = ResidencyPlan.make(40, 2, 1)
-    assert call_seconds(fp8, tight, 0.30, link, fold) - call_seconds(fp8, tight, 0.30, link) \
-        == pytest.approx(len(tight.streamed) * fold, rel=0.05)
-    inputs = PlanInputs(block_sizes=fp8, nonblock_bytes=0, free_bytes=40 * 352_000_000, window=21,
-                        compute_s=0.45, link_bytes_per_s=link, fold_s=fold)
-    assert plan_window(inputs).copy_s == pytest.approx(20 * 352e6 / link + 20 * fold)   # 20 streamed
-
-
 def test_auto_window_copies_further_ahead_when_that_is_faster():
     """Measured compute and link: the auto plan takes prefetch 2 where prefetch 1 stalls
     (cfg 5, 12 GiB, halved link), and keeps prefetch 1 where the extra slot costs more than
