@@ -5,8 +5,8 @@ One character per block keeps a 200-block model's message at a few hundred bytes
     G  resident on the GPU for the whole run
     R  in a ring slot, its copy landed (computing or waiting to)
     C  in a ring slot, its copy (or home=disk: its read) still in flight
-    H  at home in host RAM (home=ram), not on the GPU
-    D  on disk (home=disk), not on the GPU
+    H  at home in host RAM, not on the GPU
+    D  only in the file (home=disk, or home=auto where RAM is short), not on the GPU
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ SCHEMA_VERSION = 1
 
 
 def _copy_done(slot) -> bool:
-    if slot.loading is not None:
+    if slot.reading:
         return False
     ready = slot.ready
     return ready is None or bool(ready.query())
@@ -29,8 +29,7 @@ def block_map(engine: BlockSwapEngine) -> str:
     att = engine.att
     if att is None:
         return ""
-    away = "D" if engine.home == "disk" else "H"
-    codes = [away] * engine.num_blocks
+    codes = ["H" if i in engine.pool.blocks else "D" for i in range(engine.num_blocks)]
     for i in att.plan.resident:
         codes[i] = "G"
     for slot in att.ring.slots if att.ring is not None else ():

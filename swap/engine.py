@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from .layout import BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .slot_ring import Slot, SlotRing
+from .sources import FileSource, RamSource
 from .state import Attachment, BlockState
 from .stats import RunStats
 
@@ -31,13 +32,16 @@ log = logging.getLogger("ringswap.engine")
 PIN_MODES = ("auto", "on", "off")
 
 
-HOMES = ("ram", "disk")
+HOMES = ("ram", "disk", "auto")
 
 
 class BlockSwapEngine:
     """`home="ram"`: every block has a host copy (taken from the module's tensors, or read
     once through `read_block`). `home="disk"`: blocks are read through `read_block` into a
-    few staging buffers ahead of need and never held in host RAM as a whole."""
+    few staging buffers ahead of need and never held in host RAM as a whole. `home="auto"`:
+    per attachment, the streamed blocks named in `ram_blocks` get a host copy (read from the
+    file when they have none), the other streamed blocks are read from the file every time
+    they land, and resident blocks keep no host copy once placed."""
 
     def __init__(self, blocks: list[nn.Module], read_block: ReadFn | None = None,
                  home: str = "ram", disk_workers: int = 4):
@@ -45,8 +49,8 @@ class BlockSwapEngine:
             raise ValueError("BlockSwapEngine needs at least one block")
         if home not in HOMES:
             raise ValueError(f"home must be one of {HOMES}, got {home!r}")
-        if home == "disk" and read_block is None:
-            raise ValueError("home='disk' needs a read_block function")
+        if home in ("disk", "auto") and read_block is None:
+            raise ValueError(f"home={home!r} needs a read_block function")
         self.read_block = read_block
         self.home = home
         self.disk_workers = max(1, disk_workers)
@@ -59,6 +63,7 @@ class BlockSwapEngine:
         self.pool = HostPool()
         self.att: Attachment | None = None
         self.link_bytes_per_s = 0.0   # host-to-device rate of the last run's copies from a pinned home
+        self.read_back = (0, 0.0)     # bytes read from the file by the last attach, and its seconds
         self.faults = None            # test hook: .check(call, block) may raise (see recovery.FaultInjector)
         self.orders: dict[tuple[int, ...], tuple[int, ...]] = {}   # streamed blocks -> their learned call order
         self.observer: Callable[[], None] | None = None   # called before each streamed block and model call (keep it cheap)
@@ -97,14 +102,31 @@ class BlockSwapEngine:
             self.release_home()
             raise
 
-    def _ensure_home(self) -> None:
-        """Every block's exact-size host home holds its current weights (home=ram)."""
+    def ram_homes(self, plan: ResidencyPlan, ram_blocks: Iterable[int] | None = None) -> frozenset[int]:
+        """The blocks that hold a host copy while `plan` is attached: every block (ram), none
+        (disk), or for auto the streamed blocks in `ram_blocks` (default: all streamed)."""
+        if self.home == "ram":
+            return frozenset(range(self.num_blocks))
         if self.home == "disk":
-            return
-        if self.read_block is not None:
-            self.fill_home()
-        else:
+            return frozenset()
+        streamed = frozenset(plan.streamed)
+        return streamed if ram_blocks is None else streamed & frozenset(ram_blocks)
+
+    def _ensure_home(self, keep: frozenset[int]) -> None:
+        """The blocks in `keep` have an exact-size host home holding their weights (home=ram:
+        all, from the reader or the modules' own tensors; auto: read back from the file)."""
+        if self.home == "ram" and self.read_block is None:
             home.capture(self.states, self.pool)
+            return
+        todo = [self.states[i] for i in sorted(keep) if i not in self.pool.blocks]
+        if not todo:
+            return
+        try:
+            home.fill(todo, self.pool, self.read_block, None)
+        except BaseException:
+            for st in todo:
+                self.pool.drop(st.index)
+            raise
 
     def _home_views(self, s: BlockState) -> list[torch.Tensor]:
         return s.layout.views(self.pool.blocks[s.index].flat)
@@ -112,11 +134,13 @@ class BlockSwapEngine:
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, window: int, prefetch: int,
                pin_memory: str = "auto", owner: object = None,
-               on_land: Callable[[int, list[torch.Tensor]], None] | None = None) -> ResidencyPlan:
+               on_land: Callable[[int, list[torch.Tensor]], None] | None = None,
+               ram_blocks: Iterable[int] | None = None) -> ResidencyPlan:
         """Place resident blocks on `device`, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` runs on the compute stream right after a block's weights
         land on the device and before it computes (e.g. to fold LoRA deltas in place);
-        the host copy is never touched. Attaching again with the same settings keeps
+        the host copy is never touched. `ram_blocks` (home=auto): the streamed blocks to
+        hold in RAM, see `ram_homes`. Attaching again with the same settings keeps
         everything and only takes `owner`."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -124,33 +148,41 @@ class BlockSwapEngine:
         if pin_memory not in PIN_MODES:
             raise ValueError(f"pin_memory must be one of {PIN_MODES}, got {pin_memory!r}")
         plan = ResidencyPlan.make(self.num_blocks, window, prefetch)
+        keep = self.ram_homes(plan, ram_blocks)
         if self.att is not None:
-            if (self.att.device, self.att.plan, self.att.pin_memory, self.att.on_land) == \
-                    (device, plan, pin_memory, on_land):
+            if (self.att.device, self.att.plan, self.att.pin_memory, self.att.on_land, self.att.ram_homes) == \
+                    (device, plan, pin_memory, on_land, keep):
                 self.att.owner = owner
                 return plan
             self.detach()
-        self._ensure_home()
-        memory = self._choose_memory(device, plan, pin_memory)
-        att = Attachment(device, plan, memory, pin_memory, owner, on_land, self.orders.get(plan.streamed))
+        t0 = time.perf_counter()
+        before = self.pool.nbytes
+        self._ensure_home(keep)
+        read_back = self.pool.nbytes - before if self.home == "auto" else 0
+        file_streamed = [i for i in plan.streamed if i not in keep]
+        memory = self._choose_memory(device, [i for i in plan.streamed if i in keep], file_streamed, pin_memory)
+        att = Attachment(device, plan, memory, pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
         try:
-            if self.home == "disk":
+            if file_streamed or any(i not in self.pool.blocks for i in plan.resident):
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
                                           pin=device.type == "cuda" and pin_memory != "off")
             for i in plan.resident:
-                s = self.states[i]
-                s.device_buffer = empty_bytes(s.layout.nbytes, device)
-                if att.readahead is None:
-                    att.copier.copy(s.device_buffer, self.pool.blocks[i].flat, None)
-                else:
-                    staged = att.readahead.take(i, s.layout.nbytes)
-                    att.readahead.release(staged, att.copier.copy(
-                        s.device_buffer, staged.buffer.flat[:s.layout.nbytes], None))
-                s.binding.bind(s.layout.views(s.device_buffer))
+                read_back += self._place(att, self.states[i])
+            if self.home == "auto":   # resident blocks keep no host copy
+                att.copier.synchronize()
+                for i in list(self.pool.blocks):
+                    if i not in keep:
+                        self.pool.drop(i)
+                if not file_streamed and att.readahead is not None:
+                    att.readahead.release_all()
+                    att.readahead = None
             if plan.streamed:
                 nbytes = max(self.states[i].layout.nbytes for i in plan.streamed)
                 att.ring = SlotRing(plan.ring_slots, nbytes, device, staging=memory == "staged",
                                     pin_staging=device.type == "cuda")
+                att.ram = RamSource(self, att)
+                if att.readahead is not None:
+                    att.file = FileSource(self, att, att.ring)
                 for i in plan.streamed:
                     s = self.states[i]
                     s.unbind(device)
@@ -168,13 +200,33 @@ class BlockSwapEngine:
             self.att = att
             self.detach()
             raise
+        self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
         log.debug("attached on %s: %s, %s memory", device, plan.describe(), memory)
         return plan
 
-    def _choose_memory(self, device: torch.device, plan: ResidencyPlan, pin_memory: str) -> str:
-        if self.home == "disk":
+    def _place(self, att: Attachment, s: BlockState) -> int:
+        """Copy a resident block to its device buffer, from its home or else the file;
+        returns the bytes read from the file."""
+        s.device_buffer = empty_bytes(s.layout.nbytes, att.device)
+        read = 0
+        if s.index in self.pool.blocks:
+            att.copier.copy(s.device_buffer, self.pool.blocks[s.index].flat, None)
+        else:
+            staged = att.readahead.take(s.index, s.layout.nbytes)
+            att.readahead.release(staged, att.copier.copy(
+                s.device_buffer, staged.buffer.flat[:s.layout.nbytes], None))
+            read = s.layout.nbytes
+        s.binding.bind(s.layout.views(s.device_buffer))
+        return read
+
+    def _choose_memory(self, device: torch.device, from_ram: list[int], from_file: list[int],
+                       pin_memory: str) -> str:
+        """How streamed copies leave host memory: "pinned", "staged" or "pageable" (RAM
+        homes), or "disk" where every streamed block comes from the file."""
+        if self.home == "disk" or (from_file and not from_ram):
+            self.pool.unpin_all()
             return "disk"
-        return home.copy_memory(self.states, self.pool, device, plan, pin_memory)
+        return home.copy_memory(self.states, self.pool, device, from_ram, pin_memory)
 
     def detach(self) -> None:
         """Drain copies, unhook, free device buffers; parameters point at home again."""
@@ -193,7 +245,7 @@ class BlockSwapEngine:
                 s.slot = None
                 if s.index in self.pool.blocks:
                     s.binding.bind(self._home_views(s))
-                else:   # home=disk: the weights live only in the file
+                else:   # the weights live only in the file
                     s.unbind(torch.device("cpu"))
             if att.ring is not None:
                 att.ring.release()
@@ -207,66 +259,14 @@ class BlockSwapEngine:
 
     # ----- the block loop --------------------------------------------------------------
     def _issue(self, block: int, slot: Slot) -> None:
-        """Give `slot` to `block` and start its copy once the previous owner is done
-        (home=disk: once its read has landed; see _pump)."""
+        """Give `slot` to `block` and start filling it from the block's source once the
+        previous owner is done."""
         att = self.att
-        s = self.states[block]
         slot.owner = block
         slot.landed = False
         att.stats.copies += 1
-        att.stats.bytes_copied += s.layout.nbytes
-        if att.readahead is not None:
-            slot.ready = None
-            slot.loading = att.readahead.request(block, s.layout.nbytes) or True
-            self._pump(read_on=True)
-            return
-        src = self.pool.blocks[block].flat
-        if slot.staging is not None:
-            if slot.ready is not None:
-                slot.ready.synchronize()   # staging buffer still feeding the last copy
-            staged = slot.staging.flat[:s.layout.nbytes]
-            staged.copy_(src)
-            src = staged
-        slot.ready = att.copier.copy(slot.flat[:s.layout.nbytes], src, slot.free)
-
-    def _land(self, slot: Slot, wait: bool) -> None:
-        """home=disk: copy a slot's block from its staging buffer once the read is done."""
-        att, block = self.att, slot.owner
-        nbytes = self.states[block].layout.nbytes
-        staged = slot.loading if slot.loading is not True else None
-        if staged is None or not staged.future.done():
-            if not wait:
-                if staged is None:
-                    slot.loading = att.readahead.request(block, nbytes) or True
-                return
-            t0 = time.perf_counter()
-            if staged is None:   # no buffer yet: first land the slots holding theirs
-                for other in att.ring.slots:
-                    if other is not slot and other.loading not in (None, True):
-                        self._land(other, wait=True)
-            staged = att.readahead.take(block, nbytes)
-            att.stats.read_wait_s += time.perf_counter() - t0
-        staged.future.result()
-        slot.ready = att.copier.copy(slot.flat[:nbytes], staged.buffer.flat[:nbytes], slot.free)
-        att.readahead.release(staged, slot.ready)
-        slot.loading = None
-        att.stats.bytes_read += nbytes
-
-    def _pump(self, read_on: bool = False) -> None:
-        """home=disk: land finished reads; with `read_on`, keep reads going for the streamed
-        blocks the call order says come next (as many as there are free staging buffers)."""
-        att = self.att
-        for slot in att.ring.slots:
-            if slot.loading is not None:
-                self._land(slot, wait=False)
-        if not read_on:
-            return
-        owners = set(att.ring.owners())
-        for b in att.upcoming()[:len(att.readahead.staging)]:
-            if b in owners or att.readahead.pending(b) is not None:
-                continue
-            if att.readahead.request(b, self.states[b].layout.nbytes) is None:
-                break
+        att.stats.bytes_copied += self.states[block].layout.nbytes
+        (att.ram if block in self.pool.blocks else att.file).start(block, slot)
 
     def _before_block(self, block: int) -> None:
         att = self.att
@@ -278,8 +278,8 @@ class BlockSwapEngine:
             att.stats.unplanned += 1
             slot = att.ring.victim(att.upcoming()[:-1])
             self._issue(block, slot)
-        if slot.loading is not None:
-            self._land(slot, wait=True)
+        if slot.reading:
+            att.file.finish(slot, wait=True)
         att.copier.compute_wait(slot.ready)
         s = self.states[block]
         s.slot = slot
@@ -303,15 +303,15 @@ class BlockSwapEngine:
         slot.free = att.copier.record_compute()
         upcoming = att.upcoming()
         if block in upcoming[:len(att.ring.slots)]:   # called again soon (e.g. the next VACE context): keep it
-            if att.readahead is not None:
-                self._pump()
+            if att.file is not None:
+                att.file.pump()
             return
         owned = set(att.ring.owners())
         nxt = next((b for b in upcoming if b not in owned), None)
         if nxt is not None:
             self._issue(nxt, slot)
-        elif att.readahead is not None:
-            self._pump()
+        elif att.file is not None:
+            att.file.pump()
 
     # ----- runs ------------------------------------------------------------------------
     def begin_call(self) -> None:
@@ -343,7 +343,7 @@ class BlockSwapEngine:
                 s.slot = None
         stats = att.stats
         stats.add_times(*att.copier.take_times())
-        if stats.gbps > 0 and self.home == "ram" and att.memory == "pinned":
+        if stats.gbps > 0 and att.memory == "pinned":
             self.link_bytes_per_s = stats.gbps * 1e9
         return stats
 
@@ -368,7 +368,7 @@ class BlockSwapEngine:
         stats = self._close_stats()
         device, pin_memory, owner, on_land = att.device, att.pin_memory, att.owner, att.on_land
         self.detach()
-        plan = self.attach(device, window, prefetch, pin_memory, owner, on_land)
+        plan = self.attach(device, window, prefetch, pin_memory, owner, on_land, att.ram_homes)
         self.att.stats = stats.continued(self.att.stats)
         return plan
 

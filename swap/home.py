@@ -12,13 +12,12 @@ from typing import Callable
 import torch
 
 from .host_pool import HostPool
-from .plan import ResidencyPlan
 
 log = logging.getLogger("ringswap.home")
 
 
 def fill(states: list, pool: HostPool, read_block: Callable, progress: Callable[[int, int], None] | None) -> int:
-    """Read every block without a home into a new one; calls progress(done, total) and
+    """Read every block of `states` without a home into a new one; calls progress(done, total) and
     returns the bytes read. On failure the reads in flight are cancelled or drained and
     the exception re-raised (the caller frees the homes)."""
     todo = [s for s in states if s.index not in pool.blocks]
@@ -63,21 +62,21 @@ def capture(states: list, pool: HostPool) -> None:
         s.binding.bind(s.layout.views(buf.flat))
 
 
-def copy_memory(states: list, pool: HostPool, device: torch.device, plan: ResidencyPlan, pin_memory: str) -> str:
-    """How the streamed blocks' copies leave their homes: "pinned", "staged" or "pageable"."""
-    if not plan.streamed:
+def copy_memory(states: list, pool: HostPool, device: torch.device, streamed: list[int], pin_memory: str) -> str:
+    """How the copies of the `streamed` blocks leave their homes: "pinned", "staged" or "pageable"."""
+    if not streamed:
         return "pinned" if pool.pinned_bytes else "pageable"
     if device.type != "cuda":
         return "staged"
     if pin_memory == "off":
         pool.unpin_all()
         return "pageable"
-    if pool.pin(list(plan.streamed)):
+    if pool.pin(list(streamed)):
         return "pinned"
-    gib = sum(states[i].layout.nbytes for i in plan.streamed) / 2**30
+    gib = sum(states[i].layout.nbytes for i in streamed) / 2**30
     if pin_memory == "on":
         raise RuntimeError(
-            f"pin_memory='on' but page-locking {len(plan.streamed)} blocks ({gib:.1f} GiB) failed (refused "
+            f"pin_memory='on' but page-locking {len(streamed)} blocks ({gib:.1f} GiB) failed (refused "
             "by the OS or over the host's pin budget); free RAM, lower the streamed share (a larger window) "
             "or use pin_memory='auto'")
     log.warning("RingSwap: could not pin %.1f GiB of host memory (refused by the OS or over the host's "

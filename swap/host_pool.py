@@ -179,6 +179,12 @@ class HostPool:
         self.blocks[index] = buf
         return buf
 
+    def drop(self, index: int) -> None:
+        """Free one block's home (unpinned first; no copy from it may be in flight)."""
+        buf = self.blocks.pop(index, None)
+        if buf is not None:
+            buf.unpin()
+
     def pin(self, indices: list[int]) -> bool:
         """Pin exactly these blocks (unpinning the others). False if any pin failed:
         then nothing stays pinned and the caller falls back to staging."""

@@ -23,7 +23,7 @@ class Slot:
     owner: int | None = None              # block whose weights are (being) copied here
     ready: object = None                  # event: the owner's copy has landed
     free: object = None                   # event: the previous owner's compute is done
-    loading: object = None                # home=disk: the owner's read is not copied yet
+    reading: bool = False                 # the owner comes from the file and is not copied yet
     landed: bool = False                  # on_land has run for the current owner
     _views: dict = field(default_factory=dict)
 

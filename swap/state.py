@@ -2,7 +2,7 @@
 
 A BlockState says where its block's weights are (home, resident buffer or ring slot); an
 Attachment holds everything that exists only while the engine is attached: the plan, the
-copy stream, the ring, the disk read-ahead, the hooks, the learned call order and the
+copy stream, the ring, the file read-ahead and the blocks' sources, the hooks, the learned call order and the
 run's stats.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from .layout import BlockBinding, BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead
 from .slot_ring import Slot, SlotRing
+from .sources import FileSource, RamSource
 from .stats import RunStats
 from .transfer import CopyStream
 
@@ -46,16 +47,20 @@ class Attachment:
     """Everything that exists only while the engine is attached to a device."""
 
     def __init__(self, device: torch.device, plan: ResidencyPlan, memory: str, pin_memory: str,
-                 owner: object, on_land: Callable | None, learned: tuple[int, ...] | None):
+                 owner: object, on_land: Callable | None, learned: tuple[int, ...] | None,
+                 ram_homes: frozenset[int] = frozenset()):
         self.owner = owner          # opaque token of whoever attached (e.g. a weakref)
         self.on_land = on_land
         self.device = device
         self.plan = plan
         self.memory = memory
         self.pin_memory = pin_memory
+        self.ram_homes = ram_homes  # blocks holding a host copy while attached
         self.copier = CopyStream(device)
         self.ring: SlotRing | None = None
         self.readahead: ReadAhead | None = None
+        self.ram: RamSource | None = None      # sources of the streamed blocks (swap/sources.py)
+        self.file: FileSource | None = None
         self.hooks: BlockHooks | None = None
         self.order = CallOrder(plan.streamed, learned)
         self.stats = self.new_stats()

@@ -82,4 +82,4 @@ class RunStats:
                 + (f"; activations peaked at {self.activation_peak / 1e9:.2f} GB" if self.activation_peak else "")
                 + "".join(f"; out of memory: window {a} -> {b}" for a, b in self.shrinks)
                 + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
-                   "for reads" if self.memory == "disk" else ""))
+                   "for reads" if self.memory == "disk" or self.bytes_read else ""))

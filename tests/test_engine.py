@@ -137,6 +137,72 @@ def test_on_land_runs_once_per_copy_before_the_block_computes(home):
             p.remove()
 
 
+@pytest.mark.parametrize("share", ["none", "alternate", "all"])
+def test_auto_home_holds_only_the_streamed_blocks_it_is_given(share):
+    """home=auto: the streamed blocks named RAM homes live in the pool, the other streamed
+    blocks come from the file every time, resident blocks keep no host copy; every window
+    and prefetch is bit-exact, and a plan that pushes resident blocks off the device reads
+    them back from the file (counted in read_back)."""
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks, delay=0.001)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    for window in (N, 4, 1, 3):
+        for prefetch in range(0, 3):
+            plan = ResidencyPlan.make(N, window, prefetch)
+            ram = {"none": [], "alternate": list(plan.streamed[::2]), "all": None}[share]
+            engine.attach("cpu", window, prefetch, ram_blocks=ram)
+            want_ram = set(plan.streamed) if ram is None else set(ram)
+            assert set(engine.pool.blocks) == want_ram, (window, prefetch)
+            assert engine.att.ram_homes == want_ram
+            reads = src.reads
+            for _ in range(3):
+                assert torch.equal(run(blocks, X), ref), (share, window, prefetch)
+            stats = engine.end_run()
+            file_streamed = len(set(plan.streamed) - want_ram)
+            if stats is not None:
+                assert stats.bytes_read <= (src.reads - reads) * engine.states[0].layout.nbytes   # + read-ahead
+                assert (stats.bytes_read > 0) == (file_streamed > 0)
+                if plan.streamed:
+                    assert engine.memory == ("disk" if file_streamed and not want_ram else "staged")
+            engine.detach()
+            for i in range(N):   # detached: only the RAM homes are bound to host memory
+                on_host = engine.states[i].binding.current()[0].numel() > 0
+                assert on_host == (i in want_ram), i
+    # the plan shrinks: blocks resident before come back from the file (or RAM where they have a home)
+    engine.release_home()
+    engine.attach("cpu", N, 1)
+    assert engine.read_back[0] == N * engine.states[0].layout.nbytes and not engine.pool.blocks
+    engine.detach()
+    engine.attach("cpu", 3, 1, ram_blocks=[])
+    assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+    engine.attach("cpu", 3, 1)   # streamed blocks now get RAM homes: read back once
+    assert engine.read_back[0] == (2 + 5) * engine.states[0].layout.nbytes
+    engine.detach()
+    engine.attach("cpu", 3, 1, ram_blocks=[])   # same plan, homes dropped: only the resident read
+    assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes and not engine.pool.blocks
+    engine.detach()
+
+
+def test_auto_home_read_failure_leaves_nothing_half_loaded():
+    """A read that fails while attach reads homes back: the error comes through, no RAM home
+    is left behind, and the next attach with a good file is exact."""
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    src.broken = True
+    with pytest.raises(OSError, match="file ended early"):
+        engine.attach("cpu", 2, 1)
+    assert not engine.pool.blocks and engine.att is None
+    src.broken = False
+    engine.attach("cpu", 2, 1)
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+
+
 def test_plan():
     p = ResidencyPlan.make(40, 4, 1)
     assert len(p.resident) == 3 and len(p.streamed) == 37 and p.ring_slots == 2
