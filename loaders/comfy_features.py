@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+import comfy.cli_args
 import comfy.model_management
 import comfy.model_patcher
 import comfy.sd
@@ -181,6 +182,47 @@ class ComfyPinBudget:
         nbytes = self.mm.PINNED_MEMORY.pop(ptr, None)
         if nbytes is not None:
             self.mm.TOTAL_PINNED_MEMORY -= nbytes
+
+
+# ----- host RAM (home=auto) -------------------------------------------------------------
+CPU = torch.device("cpu")
+
+
+def ram_available() -> int:
+    """Host RAM available now, as ComfyUI counts it: its cgroup-aware `comfy.system_memory`
+    where it has one (newer ComfyUI), else its CPU free memory (psutil's available)."""
+    try:
+        import comfy.system_memory as system_memory
+        return int(system_memory.virtual_memory_available())
+    except (ImportError, AttributeError):
+        return int(comfy.model_management.get_free_memory(CPU))
+
+
+def ram_total() -> int:
+    return int(comfy.model_management.get_total_memory(CPU))
+
+
+def ram_kept_by_comfy() -> int:
+    """RAM ComfyUI keeps available for itself: the RAM cache's headroom while a prompt runs
+    (`comfy.memory_management.RAM_CACHE_HEADROOM`, 0.33 and later), else what --cache-ram
+    asks for (0.33+: default min(10, max(2, 10% of RAM)) GB unless another cache is chosen;
+    0.3.75: only when given)."""
+    try:
+        import comfy.memory_management as memory_management
+        headroom = int(getattr(memory_management, "RAM_CACHE_HEADROOM", 0) or 0)
+        if headroom > 0:
+            return headroom
+    except ImportError:
+        pass
+    args = comfy.cli_args.args
+    cache_ram = getattr(args, "cache_ram", None)
+    if isinstance(cache_ram, list):
+        if getattr(args, "cache_classic", False) or getattr(args, "cache_none", False) \
+                or (getattr(args, "cache_lru", 0) or 0) > 0:
+            return 0
+        gb = cache_ram[0] if cache_ram else min(10.0, max(2.0, ram_total() / 2**30 * 0.10))
+        return int(gb * 2**30)
+    return int(cache_ram * 2**30) if isinstance(cache_ram, (int, float)) and cache_ram > 0 else 0
 
 
 # ----- sampling runs: the memory picture and wrappers ---------------------------------

@@ -1,7 +1,7 @@
 """Load a diffusion model for block streaming: skeleton from the header, blocks from the file.
 
-Nothing of the blocks is read here for home=disk; for home=ram every block is read once
-into its exact-size host buffer. Errors name the file and leave nothing loaded.
+Nothing of the blocks is read here for home=disk or auto (auto reads what each plan keeps in
+RAM when it attaches); for home=ram every block is read once into its exact-size host buffer. Errors name the file and leave nothing loaded.
 
 The model is built inside `mapped_allocations()`: ComfyUI's `torch.empty` block weights,
 dropped for the engine's buffers right away, then cost no RAM and leave nothing in malloc's
@@ -59,7 +59,7 @@ def own_model_for(model: comfy.model_patcher.ModelPatcher,
                   progress: Callable[[int, int], None] | None = None) -> comfy.model_patcher.ModelPatcher | None:
     """For a MODEL built for ComfyUI's dynamic VRAM (file tensors cast at use, or left
     uncast by its lazy ops): RingSwap's own static load of the same file with the same
-    options (read once, held once, home=ram), to clone the MODEL onto; None for a MODEL
+    options (home=auto: RAM for the blocks that stream), to clone the MODEL onto; None for a MODEL
     RingSwap can swap as it is. A dynamic MODEL not made from a file by Load Diffusion
     Model is refused with what to use instead."""
     if not features.built_for_dynamic_vram(model):
@@ -71,7 +71,7 @@ def own_model_for(model: comfy.model_patcher.ModelPatcher,
             "from a .safetensors file that RingSwap could read itself; use the RingSwap Model Loader node for "
             "this model, or start ComfyUI with --disable-dynamic-vram")
     path, options = source
-    return cached_swapped_base(path, home="ram", model_options=options, progress=progress)
+    return cached_swapped_base(path, home="auto", model_options=options, progress=progress)
 
 
 def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,

@@ -26,7 +26,7 @@ from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ..swap.host_pool import set_pin_budget
 from ..swap.planner import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
-from . import live_feed, run_plan
+from . import live_feed, ram_room, run_plan
 from .block_lists import ALL_NAMES, find_block_lists
 
 log = logging.getLogger("ringswap.patcher")
@@ -41,6 +41,7 @@ class SwapSettings:
     prefetch: int = 1
     pin_memory: str = "auto"
     vram_budget_gb: float = 0.0   # VRAM this model may use in all (weights + activations); 0 = what is free
+    ram_budget_gb: float = 0.0    # home=auto: host RAM for block homes; 0 = what is available (loaders/ram_room.py)
 
     def __post_init__(self):
         if self.window < 0:
@@ -49,6 +50,8 @@ class SwapSettings:
             raise ValueError(f"RingSwap: prefetch must be 0 or more, got {self.prefetch}")
         if not self.vram_budget_gb >= 0:
             raise ValueError(f"RingSwap: vram_budget_gb must be 0 (what is free) or more, got {self.vram_budget_gb}")
+        if not self.ram_budget_gb >= 0:
+            raise ValueError(f"RingSwap: ram_budget_gb must be 0 (what is available) or more, got {self.ram_budget_gb}")
         if self.pin_memory not in PIN_MODES:
             raise ValueError(f"RingSwap: pin_memory must be one of {PIN_MODES}, got {self.pin_memory!r}")
 
@@ -185,8 +188,10 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         engine = self.swap_engine
         plan = run_plan.plan_for_load(self, device, full_load)
         self.__dict__["_ringswap_plan"] = plan
+        split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
         engine.attach(device, plan.window, plan.prefetch, self.ringswap.pin_memory,
-                      owner=weakref.ref(self), on_land=self._block_folder(device))
+                      owner=weakref.ref(self), on_land=self._block_folder(device),
+                      ram_blocks=split.ram_blocks if split is not None else None)
         live_feed.observe(engine, self.ringswap_node)
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
@@ -197,8 +202,11 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self.model.model_loaded_weight_memory = self.model_size()
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
-        log.info("%s; %s memory, %.2f GB at home; placed in %.2f s%s", plan.line(), engine.memory,
-                 engine.pool.nbytes / 1e9, time.perf_counter() - t0,
+        read, read_s = engine.read_back
+        log.info("%s; %s memory, %.2f GB at home%s; placed in %.2f s%s%s", plan.line(), engine.memory,
+                 engine.pool.nbytes / 1e9, f"; {split.line()}" if split is not None else "",
+                 time.perf_counter() - t0,
+                 f" (read {read / 1e9:.2f} GB from the file in {read_s:.2f} s)" if read else "",
                  " (switched from another block-swapped model)" if switched else "")
 
     def _device(self, device_to) -> torch.device:

@@ -249,6 +249,8 @@ class BlockSwapEngine:
                     s.unbind(torch.device("cpu"))
             if att.ring is not None:
                 att.ring.release()
+            if self.home == "auto":   # a model not on the device holds no pinned memory
+                self.pool.unpin_all()
             self.att = None
 
     def release_home(self) -> None:

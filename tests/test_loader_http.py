@@ -58,7 +58,9 @@ def test_loader_node_is_listed_with_widgets_and_tooltips(server):
     for name in WIDGETS:
         assert required[name][1].get("tooltip"), f"{name} has no tooltip"
     assert UNET in required["unet_name"][0]
-    assert required["home"][0] == ["ram", "disk"] and required["home"][1]["default"] == "ram"
+    assert required["home"][0] == ["auto", "ram", "disk"] and required["home"][1]["default"] == "auto"
+    ram = node["input"]["optional"]["ram_budget_gb"]
+    assert ram[0] == "FLOAT" and ram[1]["default"] == 0.0 and ram[1]["min"] == 0.0 and ram[1].get("tooltip")
     assert required["pin_memory"][0] == ["auto", "on", "off"]
     dw = required["disk_workers"][1]
     assert (dw["min"], dw["max"], dw["default"]) == (1, 16, 4)
@@ -93,6 +95,30 @@ def test_loader_workflow_latent_equals_stock(server):
     assert "Exception during processing" not in log
     assert not [ln for ln in log.splitlines() if "ringswap" in ln.lower() and
                 ("error" in ln.lower() or "traceback" in ln.lower() or "warning" in ln.lower())]
+
+
+def test_auto_home_with_a_ram_budget_equals_stock(server, tmp_path):
+    """home=auto, window 2 (1 resident + 5 streamed), a RAM budget of two staging buffers and
+    two homes: 2 streamed blocks in RAM, 3 read from the file each step; the latent equals
+    UNETLoader's and the plan line gives the split."""
+    probe = str(tmp_path / "probe.safetensors")
+    write_tiny_wan(probe, dim=128, num_layers=BLOCKS, ffn_dim=256, dtype=torch.bfloat16, seed=7)
+    block = load_swapped_model(probe, SwapSettings(2, 1), home="disk").swap_engine.states[0].layout.nbytes
+    budget = round((2 + 2) * block / 1e9 + 1e-6, 6)
+    ref = latent_of(server, server.run(build_workflow(UNET, use_patch=False, seed=6, steps=2,
+                                                      filename_prefix="stock6"), timeout=300))
+    n_before = len(server.log_text().splitlines())
+    wf = build_loader_workflow(UNET, home="auto", seed=6, steps=2, filename_prefix="loader_auto")
+    wf["1"]["inputs"]["ram_budget_gb"] = budget
+    entry = server.run(wf, timeout=300)
+    assert torch.equal(latent_of(server, entry), ref), "home=auto: latent differs from UNETLoader's"
+    new = server.log_text().splitlines()[n_before:]
+    plan = [ln for ln in new if "RingSwap plan:" in ln]
+    assert plan and "home auto: 1 blocks" in plan[-1] and ", 2 (" in plan[-1], plan
+    assert ", 3 (" in plan[-1] and "read from the file each step" in plan[-1], plan
+    assert f"RAM counted on {budget:.1f} GB (ram_budget_gb {budget:g})" in plan[-1], plan
+    runs = [ln for ln in new if "RingSwap run:" in ln]
+    assert runs and re.search(r"read [\d.]+ GB from disk", runs[-1]), runs
 
 
 QUANT_FORMATS = ("scaled_fp8", "quant_metadata") + (("comfy_quant", "nvfp4") if features.reads_comfy_quant() else ())

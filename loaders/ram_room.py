@@ -1,0 +1,41 @@
+"""The RAM home=auto gives block homes, and the split of a plan's streamed blocks (swap.ram_plan).
+
+The room is `ram_budget_gb` when set; else the RAM available now, plus the homes this model
+already holds, less a margin (MARGIN_SHARE of the machine's RAM, at least MARGIN_MIN) and
+less what ComfyUI says it keeps for itself (comfy_features.ram_kept_by_comfy).
+"""
+from __future__ import annotations
+
+import logging
+
+from ..swap.plan import ResidencyPlan
+from ..swap.ram_plan import RamSplit, split_ram
+from . import comfy_features as features
+
+log = logging.getLogger("ringswap.ram_room")
+
+GB = 1e9
+MARGIN_SHARE = 0.10   # of the machine's RAM, for the OS, ComfyUI's other work and the page cache's core
+MARGIN_MIN = 2 * GB
+
+
+def room(engine, ram_budget_gb: float) -> tuple[int, str]:
+    """(bytes the model's block homes may use, why)."""
+    if ram_budget_gb > 0:
+        return int(ram_budget_gb * GB), f"ram_budget_gb {ram_budget_gb:g}"
+    available, total = features.ram_available(), features.ram_total()
+    margin = max(MARGIN_MIN, MARGIN_SHARE * total)
+    kept = features.ram_kept_by_comfy()
+    held = engine.pool.nbytes
+    why = (f"{available / GB:.1f} GB available + {held / GB:.1f} GB of its homes - {margin / GB:.1f} GB margin"
+           + (f" - {kept / GB:.1f} GB ComfyUI keeps" if kept else ""))
+    return max(0, int(available + held - margin - kept)), why
+
+
+def split_for(engine, plan: ResidencyPlan, ram_budget_gb: float) -> RamSplit | None:
+    """The RAM split of `plan` for an engine with home=auto (None for other homes)."""
+    if engine.home != "auto":
+        return None
+    nbytes, why = room(engine, ram_budget_gb)
+    sizes = tuple(s.layout.nbytes for s in engine.states)
+    return split_ram(plan, sizes, nbytes, why, engine.disk_workers)

@@ -1,0 +1,73 @@
+"""Which streamed blocks live in RAM and which are read from the file (home=auto).
+
+Pure arithmetic like the planner: streamed blocks are read every step, so they get RAM
+first; resident blocks need none once placed. When RAM is short, the blocks left in the
+file are spread evenly over the call order, so each file read has the compute of the RAM
+blocks between it and the next to hide under.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan import ResidencyPlan
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class RamSplit:
+    plan: ResidencyPlan
+    block_sizes: tuple[int, ...]
+    ram_blocks: frozenset[int]       # streamed blocks held in RAM
+    room_bytes: int                  # RAM counted on for block homes
+    room_why: str                    # where room_bytes comes from
+    staging_bytes: int = 0           # read-ahead buffers the file's blocks need
+
+    @property
+    def file_blocks(self) -> tuple[int, ...]:
+        return tuple(i for i in self.plan.streamed if i not in self.ram_blocks)
+
+    def bytes_of(self, blocks) -> int:
+        return sum(self.block_sizes[i] for i in blocks)
+
+    def line(self) -> str:
+        p = self.plan
+        parts = [f"{len(p.resident)} blocks ({self.bytes_of(p.resident) / GB:.1f} GB) on the GPU",
+                 f"{len(self.ram_blocks)} ({self.bytes_of(self.ram_blocks) / GB:.1f} GB) in RAM"]
+        if self.file_blocks:
+            parts.append(f"{len(self.file_blocks)} ({self.bytes_of(self.file_blocks) / GB:.1f} GB) read from "
+                         f"the file each step")
+        return f"home auto: {', '.join(parts)}; RAM counted on {self.room_bytes / GB:.1f} GB ({self.room_why})"
+
+
+def split_ram(plan: ResidencyPlan, block_sizes: tuple[int, ...], room_bytes: int, room_why: str,
+              staging_blocks: int) -> RamSplit:
+    """Give as many streamed blocks RAM homes as `room_bytes` holds; the file's blocks also
+    need `staging_blocks` read-ahead buffers of the largest block, counted against the room."""
+    streamed = list(plan.streamed)
+    need = sum(block_sizes[i] for i in streamed)
+    if need <= room_bytes:
+        return RamSplit(plan, block_sizes, frozenset(streamed), room_bytes, room_why)
+    staging = staging_blocks * max((block_sizes[i] for i in streamed), default=0)
+    left, fit = room_bytes - staging, 0
+    for size in sorted(block_sizes[i] for i in streamed):
+        if size > left:
+            break
+        left -= size
+        fit += 1
+    ram = _spread(streamed, fit)
+    while ram and sum(block_sizes[i] for i in ram) > room_bytes - staging:   # unequal blocks
+        ram.remove(max(ram, key=lambda i: block_sizes[i]))
+    return RamSplit(plan, block_sizes, frozenset(ram), room_bytes, room_why, staging)
+
+
+def _spread(streamed: list[int], count: int) -> list[int]:
+    """`count` of `streamed` (in call order), the others spaced evenly between them."""
+    n = len(streamed)
+    if count <= 0:
+        return []
+    if count >= n:
+        return list(streamed)
+    file_count = n - count
+    in_file = {int((k + 0.5) * n / file_count) for k in range(file_count)}
+    return [b for j, b in enumerate(streamed) if j not in in_file]

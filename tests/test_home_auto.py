@@ -1,0 +1,89 @@
+"""home=auto in-process: the streamed blocks get RAM homes as far as the RAM budget allows, the
+rest stream from the file, resident blocks hold no RAM; outputs equal the stock loader's."""
+import logging
+
+import pytest
+import torch
+
+import comfy.model_management
+
+from ringswap.loaders.model_loader import load_swapped_model
+from ringswap.loaders.swap_patcher import SwapModelPatcher, SwapSettings
+from wan_model import forward, inputs, load_stock, tiny_wan
+
+BLOCKS = 8
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    path = tiny_wan(str(tmp_path_factory.mktemp("auto")), blocks=BLOCKS)
+    want = forward(load_stock(path), *inputs(seed=0))
+    comfy.model_management.unload_all_models()
+    return path, want
+
+
+def test_budget_splits_streamed_blocks_between_ram_and_file(wan, caplog):
+    path, want = wan
+    base = load_swapped_model(path, SwapSettings(3, 1), home="auto", disk_workers=2)
+    engine = base.swap_engine
+    assert not engine.pool.nbytes, "home=auto reads nothing at load"
+    block = engine.states[0].layout.nbytes
+    budget = (2 + 2) * block / 1e9 + 1e-6   # two staging buffers + two homes
+    model = SwapModelPatcher.wrap(base, SwapSettings(3, 1, ram_budget_gb=budget))
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        got = forward(model, *inputs(seed=0))
+    assert torch.equal(got, want)
+    plan = engine.plan
+    assert len(plan.resident) == 2 and len(plan.streamed) == BLOCKS - 2
+    assert set(engine.pool.blocks) <= set(plan.streamed) and len(engine.pool.blocks) == 2
+    assert engine.pool.nbytes == 2 * block
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap plan:"))
+    assert "home auto: 2 blocks" in line and "2 (" in line and f"{BLOCKS - 4} (" in line, line
+    assert "read from the file each step" in line and f"ram_budget_gb {budget:g}" in line, line
+    stats = engine.end_run()
+    assert stats is None or stats.memory in ("staged", "disk")
+    comfy.model_management.unload_all_models()
+
+
+def test_automatic_room_holds_every_streamed_block_and_plan_changes_read_back(wan, caplog):
+    path, want = wan
+    base = load_swapped_model(path, SwapSettings(3, 1), home="auto", disk_workers=2)
+    engine = base.swap_engine
+    block = engine.states[0].layout.nbytes
+    assert torch.equal(forward(base, *inputs(seed=0)), want)
+    assert set(engine.pool.blocks) == set(engine.plan.streamed), "plenty of RAM: every streamed block in RAM"
+    resident = set(engine.plan.resident)
+    comfy.model_management.unload_all_models()
+    smaller = SwapModelPatcher.wrap(base, SwapSettings(1, 1))   # resident blocks now stream: read back
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        assert torch.equal(forward(smaller, *inputs(seed=0)), want)
+    assert engine.read_back[0] == len(resident) * block
+    assert set(engine.pool.blocks) == set(range(BLOCKS))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap plan:"))
+    assert f"read {len(resident) * block / 1e9:.2f} GB from the file" in line, line
+    comfy.model_management.unload_all_models()
+    everything = SwapModelPatcher.wrap(base, SwapSettings(BLOCKS, 1))   # all resident: no RAM homes
+    assert torch.equal(forward(everything, *inputs(seed=0)), want)
+    assert not engine.pool.blocks and engine.read_back[0] == 0
+    comfy.model_management.unload_all_models()
+
+
+def test_bad_ram_budget_is_refused():
+    with pytest.raises(ValueError, match="ram_budget_gb must be 0"):
+        SwapSettings(3, 1, ram_budget_gb=-1.0)
+
+
+def test_automatic_room_is_available_ram_less_margin_and_comfys_keep(wan):
+    from ringswap.loaders import comfy_features as features
+    from ringswap.loaders.ram_room import MARGIN_MIN, room
+    path, _ = wan
+    engine = load_swapped_model(path, SwapSettings(3, 1), home="auto").swap_engine
+    assert room(engine, 1.5) == (1_500_000_000, "ram_budget_gb 1.5")
+    before = features.ram_available()
+    nbytes, why = room(engine, 0.0)
+    available, kept = max(before, features.ram_available()), features.ram_kept_by_comfy()
+    assert 0 <= nbytes <= max(0, available - MARGIN_MIN - kept)
+    assert "GB available" in why and "margin" in why and (("ComfyUI keeps" in why) == bool(kept)), why
+    import comfy.cli_args
+    if isinstance(comfy.cli_args.args.cache_ram, list) and not comfy.cli_args.args.cache_classic:
+        assert kept >= 2 * 2**30, "0.33's RAM cache keeps at least 2 GB headroom by default"
