@@ -41,7 +41,7 @@ def test_budget_splits_streamed_blocks_between_ram_and_file(wan, caplog):
     assert "home auto: 2 blocks" in line and "2 (" in line and f"{BLOCKS - 4} (" in line, line
     assert "read from the file each step" in line and f"ram_budget_gb {budget:g}" in line, line
     stats = engine.end_run()
-    assert stats is None or stats.memory in ("staged", "disk")
+    assert stats is None or stats.memory in ("staged", "pinned")   # the RAM homes' copies (CPU / CUDA)
     comfy.model_management.unload_all_models()
 
 
