@@ -96,10 +96,19 @@ class BlockSwapEngine:
         reads); calls progress(done_bytes, total_bytes). Returns the bytes read."""
         if self.home != "ram" or self.read_block is None:
             return 0
+        return self._read_homes(range(self.num_blocks), progress)
+
+    def _read_homes(self, blocks: Iterable[int], progress: Callable[[int, int], None] | None = None) -> int:
+        """Read those of `blocks` without a home into new ones (parallel reads); returns the
+        bytes read. On failure the homes it made are freed and the error re-raised."""
+        todo = [self.states[i] for i in blocks if i not in self.pool.blocks]
+        if not todo:
+            return 0
         try:
-            return home.fill(self.states, self.pool, self.read_block, progress)
+            return home.fill(todo, self.pool, self.read_block, progress)
         except BaseException:
-            self.release_home()
+            for st in todo:
+                self.pool.drop(st.index)
             raise
 
     def ram_homes(self, plan: ResidencyPlan, ram_blocks: Iterable[int] | None = None) -> frozenset[int]:
@@ -112,21 +121,14 @@ class BlockSwapEngine:
         streamed = frozenset(plan.streamed)
         return streamed if ram_blocks is None else streamed & frozenset(ram_blocks)
 
-    def _ensure_home(self, keep: frozenset[int]) -> None:
+    def _ensure_home(self, keep: frozenset[int]) -> int:
         """The blocks in `keep` have an exact-size host home holding their weights (home=ram:
-        all, from the reader or the modules' own tensors; auto: read back from the file)."""
+        all, from the reader or the modules' own tensors; auto: read back from the file).
+        Returns the bytes read from the file."""
         if self.home == "ram" and self.read_block is None:
             home.capture(self.states, self.pool)
-            return
-        todo = [self.states[i] for i in sorted(keep) if i not in self.pool.blocks]
-        if not todo:
-            return
-        try:
-            home.fill(todo, self.pool, self.read_block, None)
-        except BaseException:
-            for st in todo:
-                self.pool.drop(st.index)
-            raise
+            return 0
+        return self._read_homes(sorted(keep))
 
     def _home_views(self, s: BlockState) -> list[torch.Tensor]:
         return s.layout.views(self.pool.blocks[s.index].flat)
@@ -156,9 +158,7 @@ class BlockSwapEngine:
                 return plan
             self.detach()
         t0 = time.perf_counter()
-        before = self.pool.nbytes
-        self._ensure_home(keep)
-        read_back = self.pool.nbytes - before if self.home == "auto" else 0
+        read_back = self._ensure_home(keep)
         file_streamed = [i for i in plan.streamed if i not in keep]
         memory = self._choose_memory(device, [i for i in plan.streamed if i in keep], file_streamed, pin_memory)
         att = Attachment(device, plan, memory, pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
@@ -224,7 +224,6 @@ class BlockSwapEngine:
         """How streamed copies leave host memory: "pinned", "staged" or "pageable" (RAM
         homes), or "disk" where every streamed block comes from the file."""
         if self.home == "disk" or (from_file and not from_ram):
-            self.pool.unpin_all()
             return "disk"
         return home.copy_memory(self.states, self.pool, device, from_ram, pin_memory)
 

@@ -8,6 +8,7 @@ on the engine's home.
 from __future__ import annotations
 
 import time
+from itertools import islice
 
 from .slot_ring import Slot, SlotRing
 
@@ -81,7 +82,7 @@ class FileSource:
         if not read_on:
             return
         owners, pool = set(self.ring.owners()), self.engine.pool.blocks
-        for b in [b for b in self.att.upcoming() if b not in pool][:len(self.readahead.staging)]:
+        for b in islice((b for b in self.att.upcoming() if b not in pool), len(self.readahead.staging)):
             if b in owners or self.readahead.pending(b) is not None:
                 continue
             if self.readahead.request(b, self.engine.states[b].layout.nbytes) is None:
