@@ -95,7 +95,7 @@ def test_every_window_and_prefetch_is_bit_exact(home):
 
 
 @pytest.mark.parametrize("home", ["ram", "disk"])
-def test_on_land_runs_once_per_copy_before_the_block_computes(home):
+def test_on_land_runs_once_per_landing_before_the_block_computes(home):
     """The on-land work (LoRA fold) runs once per landing of a streamed block, after its bytes
     land and before the block computes; resident blocks get it once at attach; a block that
     stays in its slot is not folded again. Here it doubles the Linear's bias: the output must
