@@ -6,7 +6,8 @@ float32 passes over the block (about 10% of a Wan-14B block's compute at 480p), 
 - `fold_fp8_` (per-tensor scaled fp8) and `fold_nvfp4_` (comfy_kitchen's nvfp4 layout) read
   the quantized bytes twice, once for the folded weight's amax and once to requantize in
   place with the fresh scales, recomputing the rank-r product per tile from LoRA factors
-  that stay in L2;
+  that stay in L2; later folds of the same weight (a streamed block landing again) keep
+  the first fold's amax and run only the second pass;
 - `add_pairs_` adds the pairs to a float32 weight in place and returns its amax (other
   comfy_kitchen layouts, between their dequantize and quantize).
 Math: products of bf16 (or fp16) LoRA factors are exact in float32 and summed in float32,
@@ -74,10 +75,22 @@ class Pairs:
         # the next fold, so a fold is two launches and nothing in between
         self.scratch = torch.zeros(3, dtype=torch.float32, device=device)
         self._slot = 1
+        # the slot holding the amax and old scale of the first fold: every later fold of this
+        # weight has the same base (a block lands from the same home each time), so it skips
+        # the amax pass and requantizes with the same fresh scale, bit for bit
+        self.kept_slot: int | None = None
 
-    def next_slot(self) -> int:
+    def fold_passes(self) -> tuple[int, tuple]:
+        """(scratch slot, passes) of the next fold: both passes the first time, then the
+        requantize pass with the kept amax."""
+        if self.kept_slot is not None:
+            return self.kept_slot, REQUANT_PASS
         self._slot ^= 1
-        return self._slot
+        return self._slot, TWO_PASSES
+
+    def folded(self, slot: int) -> None:
+        """A fold with `slot` was issued: later folds keep its amax."""
+        self.kept_slot = slot
 
 
 if triton is not None:
@@ -241,11 +254,12 @@ def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: flo
     m, n = q.shape
     mbits, emin = FP8_GRID[q.dtype]
     bm, bn, warps = TILES["fp8"]
-    args = (q.view(torch.uint8), scale, pairs.scratch, pairs.next_slot(), pairs.up, pairs.down, pairs.scales,
+    slot, passes = pairs.fold_passes()
+    args = (q.view(torch.uint8), scale, pairs.scratch, slot, pairs.up, pairs.down, pairs.scales,
             m, n, torch.finfo(q.dtype).max, min_scale)
-    return _launch("fp8", q, _fp8_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, TWO_PASSES,
+    return _launch("fp8", q, _fp8_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, passes,
                    dict(RANK=pairs.rank, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec,
-                        num_warps=warps))
+                        num_warps=warps), pairs, slot)
 
 
 def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Tensor, pairs: Pairs,
@@ -262,21 +276,27 @@ def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Ten
             or pairs.up.shape[0] != m or pairs.down.shape[1] != n or not _usable("nvfp4", qdata, None)):
         return False
     bm, bn, warps = TILES["nvfp4"]
-    args = (qdata, block_scale.view(torch.uint8), scale, pairs.scratch, pairs.next_slot(), pairs.up, pairs.down,
+    slot, passes = pairs.fold_passes()
+    args = (qdata, block_scale.view(torch.uint8), scale, pairs.scratch, slot, pairs.up, pairs.down,
             pairs.scales, m, n, groups, max_value, min_scale)
-    return _launch("nvfp4", qdata, _nvfp4_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, TWO_PASSES,
-                   dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps))
+    return _launch("nvfp4", qdata, _nvfp4_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, passes,
+                   dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps), pairs, slot)
 
 
 TWO_PASSES = ({"REQUANT": False}, {"REQUANT": True})   # the amax pass, then the requantize pass
+REQUANT_PASS = TWO_PASSES[1:]
 
 
-def _launch(name: str, target: torch.Tensor, kernel, grid: tuple, args: tuple, passes: tuple, meta: dict) -> bool:
-    """Launch `kernel` once per entry of `passes`; False (logged once, the kernel not tried
-    again on that device) where it cannot build or run. Once it has run, a failure raises."""
+def _launch(name: str, target: torch.Tensor, kernel, grid: tuple, args: tuple, passes: tuple, meta: dict,
+            pairs: Pairs | None = None, slot: int = 0) -> bool:
+    """Launch `kernel` once per entry of `passes` (then tell `pairs` its fold was issued);
+    False (logged once, the kernel not tried again on that device) where it cannot build or
+    run. Once it has run, a failure raises."""
     try:
         for extra in passes:
             kernel[grid](*args, **extra, **meta)
+        if pairs is not None:
+            pairs.folded(slot)
     except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
         if (name, target.device) in _BUILT:
             raise

@@ -59,6 +59,36 @@ def test_fold_fp8_equals_op_by_op(shape, ranks, ldtype, qdtype):
         assert_fp8_close(got_q, want_q, (shape, ranks, ldtype, qdtype), same=0.9999)
 
 
+def test_later_folds_keep_the_first_amax_bit_for_bit():
+    """A streamed block lands from the same home every step: the second and later folds of
+    a weight with the same Pairs skip the amax pass and give the first fold's bytes and
+    scales exactly (fp8 and nvfp4)."""
+    m, n = 512, 768
+    g = torch.Generator(device=DEV).manual_seed(5)
+    w0 = torch.randn(m, n, device=DEV, generator=g) * 0.03
+    s0 = (w0.abs().amax() / 448.0).reshape(())
+    q0 = (w0 / s0).to(torch.float8_e4m3fn)
+    kp = kernels.Pairs(make_pairs(m, n, (64,), torch.bfloat16, 1), DEV)
+    runs = []
+    for _ in range(3):
+        q, s = q0.clone(), s0.clone()
+        assert kernels.fold_fp8_(q, s, kp, MIN_SCALE)
+        runs.append((q.view(torch.uint8), s, kp.kept_slot))
+    assert runs[0][2] is not None and len({r[2] for r in runs}) == 1
+    for q, s, _ in runs[1:]:
+        assert torch.equal(q, runs[0][0]) and torch.equal(s, runs[0][1])
+    assert not torch.equal(runs[0][0], q0.view(torch.uint8))   # the LoRA changed the weight
+
+    nv = eager_nvfp4(w0)
+    kp = kernels.Pairs(make_pairs(m, n, (64,), torch.bfloat16, 2), DEV)
+    outs = []
+    for _ in range(2):
+        qd, gs, bs = nv._qdata.clone(), nv._params.scale.clone(), nv._params.block_scale.clone()
+        assert kernels.fold_nvfp4_(qd, gs, bs, kp, NVFP4_MAX, MIN_SCALE)
+        outs.append((qd, gs, bs.view(torch.uint8)))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 @pytest.mark.parametrize("shape,ranks,ldtype", CASES)
 def test_add_pairs_equals_op_by_op(shape, ranks, ldtype):
     m, n = shape
