@@ -49,6 +49,17 @@ class BlockReadError(OSError):
     """A read of the file failed or came up short; the message names file, offset and length."""
 
 
+class FileChangedError(BlockReadError):
+    """The file was changed, replaced or removed after it was opened: the blocks read from
+    it now would not be the model that was loaded."""
+
+
+def file_identity(path: str) -> tuple[int, int, int]:
+    """(inode / file index, size, mtime in ns) of `path`: what a reader checks before each read."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class _Job:
     """One read_into call: counts its chunks down and resolves its future once, at the end."""
 
@@ -95,6 +106,7 @@ class BlockReader:
                 h = self._open()
                 self._all_handles.append(h)
                 self._handles.put(h)
+            self.identity = file_identity(self.path)
         except OSError as e:
             self._close_handles()
             raise BlockReadError(f"{self.path}: cannot open for reading: {e.strerror or e}") from e
@@ -169,6 +181,11 @@ class BlockReader:
         if not chunks:
             job.future.set_result(0)
             return job.future
+        try:
+            self.check_unchanged()
+        except FileChangedError as e:
+            job.future.set_exception(e)
+            return job.future
         # Zero-copy writable view of the tensor's memory; `dest` stays referenced by the closure.
         mv = memoryview((ctypes.c_ubyte * size).from_address(dest.data_ptr())).cast("B")
         with self._lock:
@@ -177,6 +194,26 @@ class BlockReader:
             for ch in chunks:
                 self._pool.submit(self._run_chunk, job, dest, mv, *ch)
         return job.future
+
+    def check_unchanged(self) -> None:
+        """Raise FileChangedError (naming the file and what changed) when the file is not the
+        one opened: removed, replaced, or written (size or modification time)."""
+        try:
+            now = file_identity(self.path)
+        except FileNotFoundError:
+            raise FileChangedError(f"RingSwap: {self.path} was removed after the model was loaded from it; "
+                                   "its blocks are read from the file, so load the model again") from None
+        except OSError as e:
+            raise FileChangedError(f"RingSwap: {self.path}: cannot check the file: {e.strerror or e}") from e
+        if now == self.identity:
+            return
+        (ino, size, _), (ino0, size0, _) = now, self.identity
+        what = ("replaced by another file" if ino != ino0 else
+                f"truncated from {size0} to {size} bytes" if size < size0 else
+                f"{size0} -> {size} bytes" if size != size0 else "written to (its modification time moved)")
+        raise FileChangedError(f"RingSwap: {self.path} changed on disk after the model was loaded from it "
+                               f"({what}); its blocks are read from the file, so load the model again "
+                               "(a RingSwap Model Loader does so on the next prompt)")
 
     def _run_chunk(self, job: _Job, dest: torch.Tensor, mv: memoryview, off: int, length: int,
                    c: int, n: int, doff: int) -> None:

@@ -1,4 +1,5 @@
-"""Live block maps for the browser during sampling: throttled, and only for browsers that asked.
+"""Live block maps for the browser during sampling (throttled, and only for browsers that
+asked), and progress bars for long reads.
 
 The RingSwap web extension subscribes its websocket client id (POST /ringswap/live). The
 engine calls a LiveFeed before every streamed block and model call; until the throttle's
@@ -14,6 +15,8 @@ from typing import Callable
 
 import torch
 
+import comfy.utils
+
 from ..swap import BlockSwapEngine
 from . import comfy_features as features
 from .live_payload import live_payload
@@ -28,6 +31,18 @@ _subscribers: dict[str, None] = {}   # client ids, oldest first
 _due = [0.0]                         # monotonic time of the next allowed message (shared by all feeds)
 
 Send = Callable[[str, dict, str], None]
+
+
+def progress_bar() -> Callable[[int, int], None]:
+    """progress(done, total) for a long read, shown on the executing node through ComfyUI's
+    progress bar; the bar is made at the first report (no bar where nothing is read)."""
+    bar = []
+
+    def report(done: int, total: int) -> None:
+        if not bar:
+            bar.append(comfy.utils.ProgressBar(100))
+        bar[0].update_absolute(int(100 * done / max(total, 1)), 100)
+    return report
 
 
 def subscribe(client_id: str) -> None:

@@ -21,7 +21,7 @@ import comfy.model_patcher
 from ..swap import BlockSwapEngine
 from ..swap.host_pool import mapped_allocations
 from . import comfy_features as features
-from .block_reader import BlockReader
+from .block_reader import BlockReader, file_identity
 from .block_source import BlockSource
 from .safetensors_index import SafetensorsIndex
 from .skeleton import build_skeleton
@@ -45,8 +45,7 @@ _LOADED: "weakref.WeakValueDictionary[tuple, comfy.model_patcher.ModelPatcher]" 
 def cached_swapped_base(path: str, home: str = "ram", disk_workers: int = 4, model_options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> comfy.model_patcher.ModelPatcher:
     """load_swapped_base, reusing the model already loaded from the same unchanged file."""
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, home, disk_workers,
+    key = (os.path.realpath(path), *file_identity(path), home, disk_workers,
            repr(sorted((model_options or {}).items())))
     base = _LOADED.get(key)
     if base is None:

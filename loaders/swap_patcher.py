@@ -191,7 +191,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
         engine.attach(device, plan.window, plan.prefetch, self.ringswap.pin_memory,
                       owner=weakref.ref(self), on_land=self._block_folder(device),
-                      ram_blocks=split.ram_blocks if split is not None else None)
+                      ram_blocks=split.ram_blocks if split is not None else None,
+                      progress=live_feed.progress_bar())
         live_feed.observe(engine, self.ringswap_node)
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)

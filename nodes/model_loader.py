@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import folder_paths
 
+from ..loaders.block_reader import file_identity
 from ..loaders.model_loader import cached_swapped_base
 from ..loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ..swap import PIN_MODES
-from .patch import BUDGET_TIP, PIN_TIP, PREFETCH_TIP, WINDOW_TIP, progress_bar
+from ..loaders.live_feed import progress_bar
+from .patch import BUDGET_TIP, PIN_TIP, PREFETCH_TIP, WINDOW_TIP
 
 HOME_TIP = ("Where blocks that are not on the GPU live. auto: the blocks that stream every step get RAM "
             "first (as much as ram_budget_gb or the free RAM allows), the rest is read from the file each "
@@ -43,6 +45,16 @@ class RingSwapModelLoader:
             "ram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 4096.0, "step": 1.0,
                                         "tooltip": RAM_BUDGET_TIP}),
         }, "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    @classmethod
+    def IS_CHANGED(cls, unet_name: str, **_inputs) -> str:
+        """The file's identity: a file changed on disk is loaded again on the next prompt (the
+        model loaded before refuses to read blocks from it)."""
+        path = folder_paths.get_full_path("diffusion_models", unet_name)
+        try:
+            return "%d:%d:%d" % file_identity(path) if path else ""
+        except OSError:
+            return ""   # load() names the problem
 
     def load(self, unet_name: str, window: int, prefetch: int, home: str, pin_memory: str, disk_workers: int,
              vram_budget_gb: float = 0.0, ram_budget_gb: float = 0.0, unique_id=None):

@@ -1,10 +1,7 @@
 """RingSwap Patch: turn on block swapping for any MODEL (e.g. from Load Diffusion Model)."""
 from __future__ import annotations
 
-from typing import Callable
-
-import comfy.utils
-
+from ..loaders.live_feed import progress_bar
 from ..loaders.model_loader import own_model_for
 from ..loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ..swap import PIN_MODES
@@ -21,12 +18,6 @@ BUDGET_TIP = ("VRAM in GB this model may use in all (its weights on the GPU and 
 PIN_TIP = ("Page-lock the host copies of streamed blocks for fast async copies. auto: pin, and fall back "
            "to pageable memory + a pinned staging ring if pinning fails; on: pin or fail; off: never pin "
            "(slow copies, for systems where pinning misbehaves).")
-
-
-def progress_bar() -> Callable[[int, int], None]:
-    """Progress of a long load on the node, through ComfyUI's progress bar."""
-    bar = comfy.utils.ProgressBar(100)
-    return lambda done, total: bar.update_absolute(int(100 * done / max(total, 1)), 100)
 
 
 class RingSwapPatch:

@@ -121,14 +121,25 @@ class BlockSwapEngine:
         streamed = frozenset(plan.streamed)
         return streamed if ram_blocks is None else streamed & frozenset(ram_blocks)
 
-    def _ensure_home(self, keep: frozenset[int]) -> int:
+    def _ensure_home(self, keep: frozenset[int], progress: Callable[[int, int], None] | None = None) -> int:
         """The blocks in `keep` have an exact-size host home holding their weights (home=ram:
         all, from the reader or the modules' own tensors; auto: read back from the file).
         Returns the bytes read from the file."""
         if self.home == "ram" and self.read_block is None:
             home.capture(self.states, self.pool)
             return 0
-        return self._read_homes(sorted(keep))
+        return self._read_homes(sorted(keep), progress)
+
+    def _read_progress(self, plan: ResidencyPlan, keep: frozenset[int],
+                       progress: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
+        """progress(done, total) over everything an attach reads from the file (the blocks in
+        `keep` and the resident ones without a home), fed the bytes done so far; None when
+        nothing is read."""
+        if progress is None or self.read_block is None:
+            return None
+        todo = {i for i in keep | set(plan.resident) if i not in self.pool.blocks}
+        total = sum(self.states[i].layout.nbytes for i in todo)
+        return (lambda done, _: progress(done, total)) if total else None
 
     def _home_views(self, s: BlockState) -> list[torch.Tensor]:
         return s.layout.views(self.pool.blocks[s.index].flat)
@@ -137,13 +148,15 @@ class BlockSwapEngine:
     def attach(self, device: torch.device | str, window: int, prefetch: int,
                pin_memory: str = "auto", owner: object = None,
                on_land: Callable[[int, list[torch.Tensor]], None] | None = None,
-               ram_blocks: Iterable[int] | None = None) -> ResidencyPlan:
+               ram_blocks: Iterable[int] | None = None,
+               progress: Callable[[int, int], None] | None = None) -> ResidencyPlan:
         """Place resident blocks on `device`, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` runs on the compute stream right after a block's weights
         land on the device and before it computes (e.g. to fold LoRA deltas in place);
         the host copy is never touched. `ram_blocks` (home=auto): the streamed blocks to
-        hold in RAM, see `ram_homes`. Attaching again with the same settings keeps
-        everything and only takes `owner`."""
+        hold in RAM, see `ram_homes`. `progress(done_bytes, total_bytes)` follows what is
+        read from the file (homes, resident blocks without one). Attaching again with the
+        same settings keeps everything and only takes `owner`."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -158,7 +171,8 @@ class BlockSwapEngine:
                 return plan
             self.detach()
         t0 = time.perf_counter()
-        read_back = self._ensure_home(keep)
+        report = self._read_progress(plan, keep, progress)
+        read_back = self._ensure_home(keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
         memory = self._choose_memory(device, [i for i in plan.streamed if i in keep], file_streamed, pin_memory)
         att = Attachment(device, plan, memory, pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
@@ -168,6 +182,8 @@ class BlockSwapEngine:
                                           pin=device.type == "cuda" and pin_memory != "off")
             for i in plan.resident:
                 read_back += self._place(att, self.states[i])
+                if report is not None:
+                    report(read_back, 0)
             if self.home == "auto":   # resident blocks keep no host copy
                 att.copier.synchronize()
                 for i in list(self.pool.blocks):

@@ -7,6 +7,7 @@ with portable=True.
 import os
 import random
 import re
+import shutil
 import threading
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from ringswap.loaders.block_reader import (PORTABLE_ENV, PREAD, PREADV, SEEK_READINTO, BlockReadError,
+                                           FileChangedError, file_identity,
                                            BlockReader, read_method)
 from ringswap.loaders.safetensors_index import SafetensorsIndex
 
@@ -106,21 +108,64 @@ def test_no_ranges_and_bad_arguments(model, open_reader):
 
 
 def test_truncated_after_open(model, open_reader):
+    """A file truncated after the reader opened it: every read is refused with an error that
+    names the file and says what happened (the blocks would not be the model loaded)."""
     size = os.path.getsize(model)
     with open_reader(model, workers=4, chunk_bytes=8192) as r:
         with open(model, "r+b") as f:
             f.truncate(size // 2)
+        for length in (size, 100):
+            with pytest.raises(FileChangedError) as ei:
+                r.read_into(torch.zeros(size, dtype=torch.uint8), [(0, length, 0)]).result(timeout=TIMEOUT)
+            msg = str(ei.value)
+            assert model in msg and f"truncated from {size} to {size // 2} bytes" in msg, msg
+            assert "load the model again" in msg, msg
+
+
+def test_short_read_names_offset_and_length(model, open_reader):
+    """A file that ends during a read (truncated after the check): the short read names the
+    file, offset and length; the part that exists still reads."""
+    size = os.path.getsize(model)
+    with open_reader(model, workers=4, chunk_bytes=8192) as r:
+        with open(model, "r+b") as f:
+            f.truncate(size // 2)
+        r.identity = file_identity(model)   # as if the truncation came after read_into's check
         dest = torch.zeros(size, dtype=torch.uint8)
         fut = r.read_into(dest, [(0, size // 4, 0), (size // 4, size - size // 4, size // 4)])
         with pytest.raises(BlockReadError) as ei:
             fut.result(timeout=TIMEOUT)
         msg = str(ei.value)
-        assert model in msg
+        assert model in msg and not isinstance(ei.value, FileChangedError)
         assert re.search(rf"reading {size - size // 4} bytes at offset {size // 4}: file ended after "
                          rf"{size // 2 - size // 4} of {size - size // 4} bytes — was it truncated", msg), msg
-        # The reader still works for the part that exists.
         ok = torch.zeros(100, dtype=torch.uint8)
         assert r.read_into(ok, [(0, 100, 0)]).result(timeout=TIMEOUT) == 100
+
+
+@pytest.mark.parametrize("change", ["replaced", "removed", "written"])
+def test_changed_file_is_refused_by_name(model, open_reader, tmp_path, change):
+    """Replaced (a new file renamed over it), removed, or written in place with the same
+    size: the next read fails with FileChangedError naming the file."""
+    path = str(tmp_path / "copy.safetensors")
+    shutil.copyfile(model, path)
+    size = os.path.getsize(path)
+    with open_reader(path, workers=2) as r:
+        assert r.read_into(torch.zeros(100, dtype=torch.uint8), [(0, 100, 0)]).result(timeout=TIMEOUT) == 100
+        if change == "replaced":
+            shutil.copyfile(model, path + ".new")
+            os.replace(path + ".new", path)
+        elif change == "removed":
+            os.remove(path)
+        else:
+            st = os.stat(path)
+            with open(path, "r+b") as f:
+                f.write(b"\0" * 8)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+        with pytest.raises(FileChangedError) as ei:
+            r.read_into(torch.zeros(size, dtype=torch.uint8), [(0, size, 0)]).result(timeout=TIMEOUT)
+        want = {"replaced": "replaced by another file", "removed": "was removed",
+                "written": "written to"}[change]
+        assert path in str(ei.value) and want in str(ei.value), str(ei.value)
 
 
 def test_missing_file(tmp_path, portable):

@@ -36,7 +36,7 @@ def two_expert_sample(high, low, steps=4, switch=2):
 def test_wan22_two_experts_one_ring_at_a_time(experts, caplog):
     ref = two_expert_sample(load_stock(experts[0]), load_stock(experts[1]))
     comfy.model_management.unload_all_models()
-    for home in ("ram", "disk"):
+    for home in ("ram", "disk", "auto"):
         high = load_swapped_model(experts[0], SwapSettings(2, 1), home=home, disk_workers=2)
         low = load_swapped_model(experts[1], SwapSettings(2, 1), home=home, disk_workers=2)
         seen = []
@@ -48,6 +48,9 @@ def test_wan22_two_experts_one_ring_at_a_time(experts, caplog):
             for _ in range(2):
                 assert torch.equal(two_expert_sample(high, low), ref), home
         assert max(seen) == 1, "both experts' rings were on the device at once"
+        if home != "ram":   # the expert that is not sampling holds no pinned memory (ram keeps its home)
+            assert high.swap_engine.att is None and high.swap_engine.pool.pinned_bytes == 0
+            assert not high.swap_engine.blocks_on_device()
         switches = [r for r in caplog.records if "switched from another block-swapped model" in r.getMessage()]
         assert len(switches) >= 3
         comfy.model_management.unload_all_models()

@@ -178,8 +178,21 @@ def test_auto_home_holds_only_the_streamed_blocks_it_is_given(share):
     assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
-    engine.attach("cpu", 3, 1)   # streamed blocks now get RAM homes: read back once
-    assert engine.read_back[0] == (2 + 5) * engine.states[0].layout.nbytes
+    seen = []
+    engine.attach("cpu", 3, 1, progress=lambda done, total: seen.append((done, total)))
+    nbytes = (2 + 5) * engine.states[0].layout.nbytes   # streamed blocks now get RAM homes: read back once
+    assert engine.read_back[0] == nbytes
+    assert seen and seen[-1] == (nbytes, nbytes) and all(t == nbytes for _, t in seen), seen
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen), "progress went back"
+    engine.detach()
+    seen.clear()
+    engine.attach("cpu", 3, 1, progress=lambda done, total: seen.append((done, total)))
+    assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes and seen[-1][0] == seen[-1][1]
+    engine.detach()
+    engine.attach("cpu", 3, 1)
+    seen.clear()
+    engine.attach("cpu", 3, 1, progress=lambda done, total: seen.append((done, total)))
+    assert not seen, "the same attachment again reads nothing and reports nothing"
     engine.detach()
     engine.attach("cpu", 3, 1, ram_blocks=[])   # same plan, homes dropped: only the resident read
     assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes and not engine.pool.blocks

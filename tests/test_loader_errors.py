@@ -20,7 +20,7 @@ import comfy.model_management
 import folder_paths
 import nodes as comfy_nodes
 
-from ringswap.loaders.block_reader import BlockReader, BlockReadError
+from ringswap.loaders.block_reader import BlockReader, BlockReadError, FileChangedError
 from ringswap.loaders.model_loader import load_swapped_model
 from ringswap.loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ringswap.nodes.model_loader import RingSwapModelLoader
@@ -294,8 +294,10 @@ def check_read_error(err, path):
 
 
 def test_truncated_between_runs_raises_then_recovers(wan8):
-    """home=disk: truncate after a good forward; the next forward fails with a clear read
-    error (no hang); restore the file, unload, and the next forward is exact again."""
+    """home=disk: truncate after a good forward; the next forward fails with a clear error
+    naming the file (no hang); the model keeps refusing the file once it is restored (its
+    blocks would not be the model loaded), a new load of the restored file is exact, and
+    no file descriptor outlives the models."""
     path, raw, ref_fwd, _ = wan8
     fds = fd_count()
     model = load_swapped_model(path, SwapSettings(2, 1), home="disk", disk_workers=2)
@@ -306,17 +308,25 @@ def test_truncated_between_runs_raises_then_recovers(wan8):
     del err
     restore_in_place(path, raw)
     comfy.model_management.unload_all_models()
-    out, err = run_with_timeout(lambda: forward(model, *inputs(seed=0)))
+    _, err = run_with_timeout(lambda: forward(model, *inputs(seed=0)))
+    assert isinstance(err, FileChangedError) and path in str(err) and "load the model again" in str(err), err
+    assert model.swap_engine.att is None and not model.swap_engine.blocks_on_device()
+    del err
+    comfy.model_management.unload_all_models()
+    fresh = load_swapped_model(path, SwapSettings(2, 1), home="disk", disk_workers=2)
+    out, err = run_with_timeout(lambda: forward(fresh, *inputs(seed=0)))
     assert err is None, err
     assert torch.equal(out, ref_fwd)
     comfy.model_management.unload_all_models()
-    del model, out
-    assert fd_count() == fds, "the loader's file descriptors outlived the model"
+    del model, fresh, out
+    gc.collect()
+    assert fd_count() == fds, "the loader's file descriptors outlived the models"
 
 
 def test_truncated_inside_a_sampling_run_raises_then_recovers(wan8):
     """The file is truncated while a block runs (mid-step, streamed blocks still to read):
-    KSampler fails with the read error, and a new run after restoring equals the stock run."""
+    KSampler fails with the read error, no block stays bound to a ring slot, and a new
+    load of the restored file samples as the stock run."""
     path, raw, _, ref_run = wan8
     fds = fd_count()
     model = load_swapped_model(path, SwapSettings(1, 0), home="disk", disk_workers=1)
@@ -341,16 +351,19 @@ def test_truncated_inside_a_sampling_run_raises_then_recovers(wan8):
     assert all(s.slot is None for s in engine.states), "a block was left bound to a ring slot"
     restore_in_place(path, raw)
     comfy.model_management.unload_all_models()
-    out, err = run_with_timeout(lambda: ksample(model))
+    fresh = load_swapped_model(path, SwapSettings(1, 0), home="disk", disk_workers=1)
+    out, err = run_with_timeout(lambda: ksample(fresh))
     assert err is None, err
     assert torch.equal(out, ref_run)
     comfy.model_management.unload_all_models()
-    del model, engine, out
-    assert fd_count() == fds, "the loader's file descriptors outlived the model"
+    del model, engine, fresh, out
+    gc.collect()
+    assert fd_count() == fds, "the loader's file descriptors outlived the models"
 
 
 def test_read_error_type_is_block_read_error(wan8):
-    """The mid-run error is the reader's BlockReadError (an OSError) naming offset and length."""
+    """The mid-run error is a BlockReadError (an OSError): here the file check's
+    FileChangedError, which names the file and the truncation."""
     path, raw, _, _ = wan8
     model = load_swapped_model(path, SwapSettings(1, 0), home="disk", disk_workers=1)
     forward(model, *inputs(seed=0))
@@ -358,4 +371,4 @@ def test_read_error_type_is_block_read_error(wan8):
     _, err = run_with_timeout(lambda: forward(model, *inputs(seed=0)))
     restore_in_place(path, raw)
     assert isinstance(err, BlockReadError), f"{type(err).__name__}: {err}"
-    assert re.search(r"reading \d+ bytes at offset \d+", str(err)), str(err)
+    assert re.search(rf"truncated from {len(raw)} to {len(raw) // 2} bytes", str(err)), str(err)

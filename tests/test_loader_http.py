@@ -12,7 +12,7 @@ from conftest import COMFY, CUDA, SERVER_ARGS
 from ringswap.loaders import comfy_features as features
 from ringswap.loaders.model_loader import load_swapped_model
 from ringswap.loaders.swap_patcher import SwapSettings
-from support.comfy_server import ComfyServer
+from support.comfy_server import ComfyServer, ComfyServerError
 from support.quant_files import file_offset, write_misaligned_quant_wan, write_quant_wan
 from support.wan_files import write_tiny_wan
 from support.workflows import build_workflow
@@ -121,6 +121,40 @@ def test_auto_home_with_a_ram_budget_equals_stock(server, tmp_path):
     assert f"RAM counted on {budget:.1f} GB (ram_budget_gb {budget:g})" in plan[-1], plan
     runs = [ln for ln in new if "RingSwap run:" in ln]
     assert runs and re.search(r"read [\d.]+ GB from disk", runs[-1]), runs
+
+
+def test_a_file_changed_on_disk_is_loaded_again_or_named(server):
+    """home=disk reads blocks from the file every step. The file replaced by another model:
+    the next prompt loads it again (not the old blocks from the new file); replaced by a
+    truncated copy: that prompt fails naming the file and the server stays healthy; the good
+    file back: exact again."""
+    path = os.path.join(server.models, "diffusion_models", "swap_me.safetensors")
+    write_tiny_wan(path, dim=128, num_layers=BLOCKS, ffn_dim=256, dtype=torch.bfloat16, seed=7)   # = UNET
+    ref_a = latent_of(server, server.run(build_workflow(UNET, use_patch=False, seed=5, steps=2,
+                                                        filename_prefix="stock_a"), timeout=300))
+    wf = build_loader_workflow("swap_me.safetensors", home="disk", seed=5, steps=2, filename_prefix="swap_me")
+    assert torch.equal(latent_of(server, server.run(wf, timeout=300)), ref_a)
+
+    other = path + ".new"
+    write_tiny_wan(other, dim=128, num_layers=BLOCKS, ffn_dim=256, dtype=torch.bfloat16, seed=8)
+    with open(other, "rb") as f:
+        raw_b = f.read()
+    os.replace(other, path)
+    got_b = latent_of(server, server.run(wf, timeout=300))
+    ref_b = latent_of(server, server.run(build_workflow("swap_me.safetensors", use_patch=False, seed=5, steps=2,
+                                                        filename_prefix="stock_b"), timeout=300))
+    assert not torch.equal(ref_b, ref_a) and torch.equal(got_b, ref_b), "the replaced file was not loaded again"
+
+    with open(other, "wb") as f:
+        f.write(raw_b[:len(raw_b) // 2])
+    os.replace(other, path)
+    with pytest.raises(ComfyServerError) as ei:
+        server.run(wf, timeout=300)
+    assert "swap_me.safetensors" in str(ei.value), str(ei.value)
+    with open(other, "wb") as f:
+        f.write(raw_b)
+    os.replace(other, path)
+    assert torch.equal(latent_of(server, server.run(wf, timeout=300)), ref_b)
 
 
 QUANT_FORMATS = ("scaled_fp8", "quant_metadata") + (("comfy_quant", "nvfp4") if features.reads_comfy_quant() else ())

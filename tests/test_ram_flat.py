@@ -1,7 +1,7 @@
 """A long-lived ComfyUI server's RAM stays flat run after run with RingSwap (issue 12).
 
 As a new user would: a real server over its HTTP API, two RingSwap Model Loaders (two
-files of 6 blocks of ~10 MB, window 1) used alternately for 16 runs, home=disk and home=ram,
+files of 6 blocks of ~10 MB, window 1) used alternately for 16 runs, home=disk, ram and auto,
 beside the same 16 runs through the stock UNETLoader on the same server. RingSwap's RSS
 (psutil) must grow over runs 9-16 no more than the stock loader's, within a tolerance.
 It climbed 1-3 MB a run: ComfyUI's block weights (dropped for the engine's buffers at once)
@@ -102,7 +102,7 @@ def stock(server) -> list[int]:
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("home", ["disk", "ram"])
+@pytest.mark.parametrize("home", ["disk", "ram", "auto"])
 def test_rss_stays_flat_like_stock(server, stock, home):
     series = rss_series(server, home)
     allowed = max(TOLERANCE_MIN, TOLERANCE_FRACTION * stock[7])
