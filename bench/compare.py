@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
 from compare_child import CONFIGS, child  # noqa: E402
 from link_load import LinkLoad  # noqa: E402
+from ram_ballast import RamBallast, drop_all_caches, swapped_out_pages  # noqa: E402
 from compare_table import rounds_joined, scenario, table  # noqa: E402
 from compare_targets import targets  # noqa: E402
 
@@ -49,7 +50,7 @@ GROUPS = {
 # Seconds per cell on the H200 (bf16, both workloads, 5 steps each; process start, load and
 # the steps; the most measured on 2026-12-01), replaced by the measured wall time of a cell
 # of the same kind in the run.
-EST_S = {"floor": 62, "comfy": 70, "diffusers": 85, "patch": 75, "loader": 75, "disk": 240}
+EST_S = {"floor": 62, "comfy": 70, "diffusers": 85, "patch": 75, "loader": 75, "auto": 90, "disk": 240}
 FORMAT_SCALE = {"bf16": 1.0, "scaled_fp8": 0.7, "fp32": 2.0}
 
 
@@ -78,12 +79,14 @@ def plan_cells(a) -> list[dict]:
         order = fixed + [(n, cap) for cap in a.caps for n in per_cap] + [(n, cap) for cap in a.caps for n in disk]
         for cfg in a.cfgs:
             for link in a.links:
-                for name, cap in order:
+                for ram, (name, cap) in ((r, e) for r in getattr(a, "rams", [0.0]) for e in order):
                     # the uncapped resident runs copy nothing a step: measured on the full link only
                     on = "full" if not cap and CONFIGS[name].kind in ("floor", "comfy") else link
-                    if (fmt, cfg, on, name, cap) not in seen:
-                        seen.add((fmt, cfg, on, name, cap))
+                    if (fmt, cfg, on, name, cap, ram) not in seen:
+                        seen.add((fmt, cfg, on, name, cap, ram))
                         cells.append({"format": fmt, "cfg": cfg, "link": on, "config": name, "cap_gib": cap,
+                                      **({"ram_gb": ram} if ram else {}),
+                                      **({"experts": a.experts} if getattr(a, "experts", 1) > 1 else {}),
                                       **({"lora_rank": a.lora_rank} if getattr(a, "lora_rank", 0) else {}),
                                       **({"compile": a.compile} if getattr(a, "compile", None) else {})})
     if a.repeat > 1:   # whole rounds, so a drift of the machine spreads over every cell alike
@@ -106,7 +109,7 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
     window = 2 if a.small and cell["cap_gib"] else a.window
     opts = ["--child", cell["config"], "--path", path, "--window", str(window), "--cfg", str(cell.get("cfg", 1.0)),
             *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun",
-                                    "rerun_steps", "lora_rank", "compile"])]
+                                    "rerun_steps", "lora_rank", "compile", "experts"])]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
     if runtime(a) == "device":
@@ -138,8 +141,15 @@ def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
     cmd, env = child_command(a, cell, path)
     t0 = time.perf_counter()
     halved = cell.get("link", "full") == "halved" and a.device == "cuda"
-    with LinkLoad(halved) as load, common.Ballast(cell["cap_gib"] if a.device == "cuda" else 0, a.device) as ballast:
+    if cell.get("ram_gb"):   # a smaller machine: cold page cache, all but ram_gb of the RAM locked away
+        cell["page_cache"] = drop_all_caches()
+    swapped = swapped_out_pages()
+    with LinkLoad(halved) as load, common.Ballast(cell["cap_gib"] if a.device == "cuda" else 0, a.device) as ballast, \
+            RamBallast(cell.get("ram_gb", 0)) as ram:
         cell["ballast"] = ballast.line
+        if ram.line:
+            cell["ram_ballast"] = ram.line
+            common.say(f"[compare] RAM ballast: {ram.line}")
         if halved:   # what the load leaves to the cell, measured beside it
             from io_rates import h2d_rate
             cell["h2d_left_gbps"] = h2d_rate(torch.device(a.device), 1024 << 20)["gbps"]
@@ -148,6 +158,8 @@ def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
     if halved:
         cell["link_load"] = load.line
         common.say(f"[compare] {load.line}; {cell['h2d_left_gbps']:.1f} GB/s left to the cell")
+    after = swapped_out_pages()
+    cell["pages_swapped_out"] = None if swapped is None or after is None else after - swapped
     cell.update({k: v for k, v in res.items() if k not in ("config",)})
     cell["cell_wall_s"] = time.perf_counter() - t0
     return cell
@@ -206,6 +218,11 @@ def main() -> None:
                          "to the sampled configurations (0 = none)")
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="compile the sampled configurations as ComfyUI's TorchCompileModel does (e.g. inductor)")
+    ap.add_argument("--rams", type=float, nargs="+", default=[0.0],
+                    help="GB of RAM left to the cell by a RAM ballast process (bench/ram_ballast.py: a 32 or 64 "
+                         "GB machine), page cache dropped first; 0 = all of it")
+    ap.add_argument("--experts", type=int, default=1, choices=[1, 2],
+                    help="2: the RingSwap Loader kinds sample two models of the file, Wan 2.2 style")
     ap.add_argument("--links", nargs="+", default=["full"], choices=["full", "halved"],
                     help="halved: a second process copies pinned memory to the GPU in a loop beside the cell "
                          "(bench/link_load.py: a PCIe 4.0-class link on the H200)")

@@ -9,9 +9,12 @@ Kinds of configuration:
              stream) on the same WanModel module, called directly
   patch      Load Diffusion Model -> RingSwap Patch (window --window, 0 = auto; prefetch 1)
   loader     RingSwap Model Loader, home ram (the same window, prefetch 1)
+  auto       RingSwap Model Loader, home auto (RAM for the streamed blocks as the free RAM allows)
   disk       RingSwap Model Loader, home disk, page cache dropped before the load and
              before every workload
-Per workload: the first step apart, the mean of the rest (common.steady_s), RingSwap's log lines;
+--experts 2 (loader, auto, disk): Wan 2.2 style, two models loaded apart from the file, the
+first sampling the first half of the steps and the second the rest; the switch and each
+expert's pinned bytes are reported. Per workload: the first step apart, the mean of the rest (common.steady_s), RingSwap's log lines;
 with --rerun, one more sampling run of 1 + --rerun-steps steps (the next prompt: its first step,
 what ComfyUI's load costs again, its s/step planned with what the first run measured, and its
 log lines);
@@ -50,6 +53,8 @@ CONFIGS = {
     "rs-patch-0.33-dyn": Config("patch", "0.33", True, "RingSwap Patch, auto window, ComfyUI 0.33 dynamic"),
     "rs-loader-0.33-dyn": Config("loader", "0.33", True, "RingSwap Loader, home ram, ComfyUI 0.33 dynamic"),
     "rs-disk-0.3.75": Config("disk", "0.3.75", False, "RingSwap Loader, home disk (cold cache), 0.3.75"),
+    "rs-auto-0.3.75": Config("auto", "0.3.75", False, "RingSwap Loader, home auto, ComfyUI 0.3.75"),
+    "rs-auto-0.33-dyn": Config("auto", "0.33", True, "RingSwap Loader, home auto, ComfyUI 0.33 dynamic"),
 }
 
 
@@ -102,14 +107,14 @@ def build(cfg: Config, a, dev: torch.device):
     import comfy.sd
     from ringswap.loaders.model_loader import load_swapped_model
     from ringswap.loaders.swap_patcher import SwapSettings
-    if cfg.kind in ("loader", "disk"):
+    if cfg.kind in ("loader", "disk", "auto"):
         if cfg.kind == "disk":
             from io_rates import drop_page_cache
             drop_page_cache(a.path, "auto")
-        home = "disk" if cfg.kind == "disk" else "ram"
-        model = as_sampled(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home,
-                                              disk_workers=a.workers), a)
-        return model, "sample", model
+        home = {"disk": "disk", "auto": "auto"}.get(cfg.kind, "ram")
+        models = [as_sampled(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home,
+                                                disk_workers=a.workers), a) for _ in range(a.experts)]
+        return (models, "experts", models[0]) if a.experts > 1 else (models[0], "sample", models[0])
     stock = comfy.sd.load_diffusion_model(a.path)
     if cfg.kind == "comfy":
         stock = as_sampled(stock, a)
@@ -137,9 +142,35 @@ def time_steps(obj, how: str, patcher, tokens: int, n: int, a, dev: torch.device
     the module (at cfg > 1 one forward of cond and uncond batched, the floor of a step)."""
     if how == "sample":
         return common.sample_steps(obj, tokens, n, a.ctx_len, cfg=a.cfg)
+    if how == "experts":
+        return expert_steps(obj, tokens, n, a.ctx_len, a.cfg)
     inputs = common.make_inputs(tokens, dev, common.compute_dtype(patcher, dev), a.ctx_len, 0,
                                 batch=1 if a.cfg == 1 else 2)
     return common.step_times(obj, inputs, n, dev)
+
+
+def expert_steps(models: list, tokens: int, steps: int, ctx_len: int, cfg: float) -> list[float]:
+    """Seconds per step, Wan 2.2 style: models[0] samples the first half of the steps and
+    models[1] the rest from its latent (comfy.sample.sample's last_step / start_step, as
+    KSamplerAdvanced does); the device is synchronised at every step."""
+    import comfy.sample
+    f, h, w = common.latent_shape(tokens)
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(1, 16, f, h, w, generator=g)
+    cond = [[torch.randn(1, ctx_len, 4096, generator=g), {}]]
+    uncond = [[torch.randn(1, ctx_len, 4096, generator=g), {}]]
+    dev = models[0].load_device
+    stamps = [time.perf_counter()]
+
+    def step_done(*_) -> None:
+        common.sync(dev)
+        stamps.append(time.perf_counter())
+    half = steps // 2
+    mid = comfy.sample.sample(models[0], noise, steps, cfg, "euler", "simple", cond, uncond, torch.zeros_like(noise),
+                              last_step=half, force_full_denoise=False, callback=step_done, disable_pbar=True, seed=0)
+    comfy.sample.sample(models[1], noise, steps, cfg, "euler", "simple", cond, uncond, mid, start_step=half,
+                        disable_noise=True, callback=step_done, disable_pbar=True, seed=0)
+    return [b - a_ for a_, b in zip(stamps, stamps[1:])]
 
 
 def keep_run_stats(patcher) -> list:
@@ -208,6 +239,12 @@ def child(a) -> dict:
                        h2d_bytes_per_step=st.bytes_copied / n_steps, copy_gbps=st.gbps,
                        read_bytes_per_step=st.bytes_read / n_steps)
         row["log"], seen = log.lines[seen:], len(log.lines)
+        if how == "experts" and "error" not in row:   # the second expert's first step holds the switch
+            half = (1 + steps) // 2
+            rest = times[1:half] + times[half + 1:]
+            row.update(s_per_step=sum(rest) / len(rest) if rest else None, switch_step_s=times[half],
+                       expert_pinned=[m.swap_engine.pool.pinned_bytes for m in obj],
+                       expert_attached=[m.swap_engine.att is not None for m in obj])
         if a.rerun and "error" not in row:   # the next prompt at this size: its first step
             again = time_steps(obj, how, patcher, tokens, 1 + a.rerun_steps, a, dev)
             row.update(rerun_first_step_s=again[0], rerun_step_s=common.steady_s(again), rerun_log=log.lines[seen:])

@@ -18,7 +18,9 @@ def scenario(c: dict) -> tuple:
     (cells of older runs: no LoRA, not compiled, cfg 1, full link)."""
     lora = f" + LoRA rank {c['lora_rank']}" if c.get("lora_rank") else ""
     compiled = f" + compile {c['compile']}" if c.get("compile") else ""
-    return c["format"] + lora + compiled, c.get("cfg", 1.0), c.get("link", "full")
+    experts = f", {c['experts']} experts" if c.get("experts", 1) > 1 else ""
+    ram = f", RAM {c['ram_gb']:g} GB" if c.get("ram_gb") else ""
+    return c["format"] + lora + compiled + experts + ram, c.get("cfg", 1.0), c.get("link", "full")
 
 
 def rounds_joined(cells: list[dict]) -> list[dict]:
@@ -92,6 +94,14 @@ def _note(c: dict, r: dict, link_gbps: float | None) -> str:
     if c.get("odirect"):
         bits.append("disk O_DIRECT " + " / ".join(f"{o['gbps']:.2f}" for o in c["odirect"])
                     + f" GB/s (1 / {c['odirect'][-1]['threads']} readers)")
+    if c.get("ram_ballast"):
+        bits.append(f"RAM ballast {c['ram_ballast']}; pages swapped out {c.get('pages_swapped_out')}")
+    splits = [ln.split("; home auto: ")[1].split("; placed")[0] for ln in r.get("log", []) if "; home auto: " in ln]
+    if splits:
+        bits.append("home auto: " + splits[-1])
+    if r.get("switch_step_s") is not None:
+        bits.append(f"expert switch step {r['switch_step_s']:.2f} s; pinned per expert "
+                    + " / ".join(f"{gb(p):.1f}" for p in r["expert_pinned"]) + " GB")
     if r.get("error"):
         bits.append(r["error"][:120])
     return "; ".join(bits).replace("|", "/")

@@ -1,8 +1,9 @@
 """The RAM home=auto gives block homes, and the split of a plan's streamed blocks (swap.ram_plan).
 
 The room is `ram_budget_gb` when set; else the RAM available now, plus the homes this model
-already holds, less a margin (MARGIN_SHARE of the machine's RAM, at least MARGIN_MIN) and
-less what ComfyUI says it keeps for itself (comfy_features.ram_kept_by_comfy).
+already holds, less a margin (MARGIN_SHARE of those two, at least MARGIN_MIN) and less what
+ComfyUI says it keeps for itself (comfy_features.ram_kept_by_comfy). The margin follows the
+RAM there is to share, not the machine's size, so a RAM ballast emulates a smaller machine.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from . import comfy_features as features
 log = logging.getLogger("ringswap.ram_room")
 
 GB = 1e9
-MARGIN_SHARE = 0.10   # of the machine's RAM, for the OS, ComfyUI's other work and the page cache's core
+MARGIN_SHARE = 0.10   # of the RAM to share, for the OS, ComfyUI's other work and the page cache's core
 MARGIN_MIN = 2 * GB
 
 
@@ -23,10 +24,9 @@ def room(engine, ram_budget_gb: float) -> tuple[int, str]:
     """(bytes the model's block homes may use, why)."""
     if ram_budget_gb > 0:
         return int(ram_budget_gb * GB), f"ram_budget_gb {ram_budget_gb:g}"
-    available, total = features.ram_available(), features.ram_total()
-    margin = max(MARGIN_MIN, MARGIN_SHARE * total)
+    available, held = features.ram_available(), engine.pool.nbytes
+    margin = max(MARGIN_MIN, MARGIN_SHARE * (available + held))
     kept = features.ram_kept_by_comfy()
-    held = engine.pool.nbytes
     why = (f"{available / GB:.1f} GB available + {held / GB:.1f} GB of its homes - {margin / GB:.1f} GB margin"
            + (f" - {kept / GB:.1f} GB ComfyUI keeps" if kept else ""))
     return max(0, int(available + held - margin - kept)), why

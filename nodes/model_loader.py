@@ -16,7 +16,8 @@ HOME_TIP = ("Where blocks that are not on the GPU live. auto: the blocks that st
             "is read once into (pinned) host RAM at load. disk: every streamed block is read from the file "
             "ahead of need on every step; host RAM stays at a few blocks, speed is bound by the disk.")
 RAM_BUDGET_TIP = ("home=auto: host RAM (GB) this model's streamed blocks may hold. 0 = automatic: the RAM "
-                  "available when sampling starts, less a margin of 10% of the machine's RAM (at least 2 GB).")
+                  "available when sampling starts, less a margin of 10% of it (at least 2 GB) and what ComfyUI "
+                  "keeps for its RAM cache.")
 WORKERS_TIP = ("Reader threads for the file (positioned reads, one file handle each). More helps on NVMe; "
                "a disk that reads slower with parallel streams (HDD, some network/virtual disks) may do "
                "better with 1-2. With home=disk, host RAM for blocks is about this many blocks.")

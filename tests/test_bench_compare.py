@@ -182,6 +182,30 @@ def test_cfg_and_halved_link_are_dimensions_of_the_cells():
     assert "x1.020 resident (ok <= 1.05, cfg 5 12 GiB halved)" in line
 
 
+def test_ram_and_experts_are_dimensions_of_the_cells():
+    """--rams and --experts: one set of cells per RAM left to the cell; the table names the
+    workload (experts, RAM), the RAM ballast, the home=auto split and the expert switch."""
+    import argparse
+    import compare
+    a = argparse.Namespace(configs=["rs-loader-0.3.75@24", "rs-auto-0.3.75@12"], groups=[], formats=["bf16"],
+                           caps=[12.0], repeat=1, cfgs=[1.0], links=["full"], rams=[0.0, 32.0], experts=2)
+    cells = compare.plan_cells(a)
+    assert [(c["config"], c.get("ram_gb"), c["experts"]) for c in cells] == [
+        ("rs-loader-0.3.75", None, 2), ("rs-auto-0.3.75", None, 2),
+        ("rs-loader-0.3.75", 32.0, 2), ("rs-auto-0.3.75", 32.0, 2)]
+    auto = copy.deepcopy(_cell("rs-patch-0.33-dyn", 24.0))
+    auto.update(config="rs-auto-0.3.75", cap_gib=12.0, ram_gb=32.0, experts=2, pages_swapped_out=0,
+                ram_ballast="ready: locked 90.0 GB of 122.0 GB available, 32.0 GB left")
+    auto["rows"] = auto["rows"][:1]
+    auto["rows"][0].update(switch_step_s=3.5, expert_pinned=[0, 7_000_000_000], log=[
+        "RingSwap plan: window 9 of 40 (auto); pinned memory, 7.0 GB at home; home auto: 8 blocks (5.6 GB) on "
+        "the GPU, 32 (22.5 GB) in RAM; RAM counted on 26.8 GB (why); placed in 4.00 s"])
+    row = _line(compare_table.table([auto], link_gbps=LINK), "| bf16, 2 experts, RAM 32 GB, cfg 1, link full | 12 |")
+    assert "RAM ballast ready: locked 90.0 GB" in row and "pages swapped out 0" in row, row
+    assert "home auto: 8 blocks (5.6 GB) on the GPU, 32 (22.5 GB) in RAM; RAM counted on 26.8 GB (why)" in row, row
+    assert "expert switch step 3.50 s; pinned per expert 0.0 / 7.0 GB" in row, row
+
+
 def test_a_lora_cell_is_its_own_workload_held_to_the_run_without_it():
     plain = copy.deepcopy(_cell("rs-patch-0.33-dyn", 24.0))
     lora = copy.deepcopy(plain)
