@@ -4,6 +4,7 @@ SaveLatent gives the same latent as the stock UNETLoader -> KSampler -> SaveLate
 import os
 import re
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -155,6 +156,33 @@ def test_a_file_changed_on_disk_is_loaded_again_or_named(server):
         f.write(raw_b)
     os.replace(other, path)
     assert torch.equal(latent_of(server, server.run(wf, timeout=300)), ref_b)
+
+
+def test_auto_home_rss_stays_within_the_ram_budget(server):
+    """home=auto with a RAM budget of two homes and the two staging buffers, on a model whose
+    blocks (~19 MB in RAM) dwarf the server's noise: its RSS grows by the budget, plus what
+    sits on the device (on a CPU server: in RAM too), not by the
+    streamed blocks the budget leaves in the file."""
+    name = "auto_rss.safetensors"
+    path = os.path.join(server.models, "diffusion_models", name)
+    write_tiny_wan(path, dim=512, num_layers=BLOCKS, ffn_dim=2560, dtype=torch.bfloat16, seed=9)
+    block = load_swapped_model(path, SwapSettings(2, 1), home="disk").swap_engine.states[0].layout.nbytes
+    budget = round((2 + 2) * block / 1e9 + 1e-6, 6)
+    wf = build_loader_workflow(name, home="auto", seed=6, steps=2, filename_prefix="loader_auto_rss")
+    wf["1"]["inputs"]["ram_budget_gb"] = budget
+    proc = psutil.Process(server.proc.pid)
+    server.run(build_loader_workflow(UNET, home="auto", seed=1, steps=2, filename_prefix="warm"), timeout=300)
+    server.free(unload_models=True, free_memory=True)   # the same path warmed up once, on a small model
+    rss0 = proc.memory_info().rss
+    server.run(wf, timeout=300)
+    grew = proc.memory_info().rss - rss0
+    # on a CPU server the "device" is host memory: one resident block, two ring slots, and the
+    # ring's staging pair for homes that cannot be pinned there
+    on_device = 0 if CUDA else (3 + 2) * block
+    allowed = budget * 1e9 + on_device + 24 * 2**20   # + 24 MiB: the model's other weights, latents, allocator
+    all_homes = (BLOCKS - 1 + 2) * block + on_device   # what holding every streamed block would take
+    assert grew <= allowed < all_homes, (f"RSS grew {grew / 2**20:.1f} MiB, allowed {allowed / 2**20:.1f} MiB, "
+                                         f"every streamed block in RAM {all_homes / 2**20:.1f} MiB")
 
 
 QUANT_FORMATS = ("scaled_fp8", "quant_metadata") + (("comfy_quant", "nvfp4") if features.reads_comfy_quant() else ())
