@@ -309,6 +309,18 @@ def patcher_free_memory(patcher, device: torch.device) -> int:
     return int(fn(patcher, device)) if fn is not None else free_vram(device)
 
 
+def sampling_steps(executor, args: tuple, kwargs: dict) -> int | None:
+    """Steps of a sampling run, from the `sigmas` argument of the function an OUTER_SAMPLE
+    wrapper's executor runs (CFGGuider.outer_sample), found by name in its signature; None
+    where it has none."""
+    try:
+        bound = inspect.signature(executor.original).bind_partial(*args, **kwargs)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    sigmas = bound.arguments.get("sigmas")
+    return max(0, len(sigmas) - 1) if isinstance(sigmas, torch.Tensor) and sigmas.ndim == 1 else None
+
+
 def can_wrap(patcher) -> bool:
     """Does this ComfyUI run ModelPatcher wrappers around prepare_sampling and apply_model?"""
     import comfy.patcher_extension

@@ -5,13 +5,17 @@ the latent shape and conds before the model loads, so `plan_for_load` plans for 
 activations (measured on the first call of an earlier run of the same call shape, else
 ComfyUI's estimate), batched or one call per cond (swap.planner.plan_step); CALC_COND_BATCH
 makes ComfyUI's batching follow that plan (`free_for_batching`), and APPLY_MODEL runs every
-model call through swap.recovery (out-of-memory retry at a smaller window).
+model call through swap.recovery (out-of-memory retry at a smaller window). A first prompt
+plans without measured rates; after its first model call `replan_by_rates` moves to the plan
+those rates choose where that pays back within the run (swap.planner.replan_with_rates).
 """
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +23,15 @@ import torch
 import comfy.patcher_extension
 
 from ..swap.plan import ResidencyPlan
-from ..swap.planner import PlanInputs, WindowPlan, plan_step, shrink_after_oom
+from ..swap.planner import PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
 from ..swap.recovery import run_call
 from . import comfy_features as features
+from . import ram_room
+
+log = logging.getLogger("ringswap.run_plan")
 
 GB = 1e9
+DISK_GUESS = 1e9   # bytes/s for reading blocks back from the file before any read was timed
 WRAPPER_KEY = "ringswap"
 
 
@@ -37,6 +45,7 @@ class RunRequest:
     batched_estimate: int = 0
     conds_per_step: int = 1
     conds_per_call: int = 0      # conds in the first model call (0 until it ran)
+    steps: int = 0               # steps of the run (0: unknown)
 
     def estimate_for(self, conds: int) -> int:
         """ComfyUI's activation estimate for `conds` conds in one call (linear past two)."""
@@ -61,6 +70,7 @@ class Measured:
 
 _conds_per_step: contextvars.ContextVar[int | None] = contextvars.ContextVar("ringswap_conds_per_step",
                                                                             default=None)
+_steps: contextvars.ContextVar[int | None] = contextvars.ContextVar("ringswap_steps", default=None)
 
 
 def install(patcher) -> None:
@@ -94,9 +104,11 @@ def conds_per_step(guider) -> int | None:
 
 def _outer_sample(executor, *args, **kwargs):
     token = _conds_per_step.set(conds_per_step(executor.class_obj))
+    steps = _steps.set(features.sampling_steps(executor, args, kwargs))
     try:
         return executor(*args, **kwargs)
     finally:
+        _steps.reset(steps)
         _conds_per_step.reset(token)
 
 
@@ -106,7 +118,8 @@ def _prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
         single, batched = features.activation_estimates(model, shape, conds)
         per_step = _conds_per_step.get()
         model.__dict__["_ringswap_request"] = RunRequest(
-            shape, single, batched, per_step if per_step is not None else features.ESTIMATE_CONDS)
+            shape, single, batched, per_step if per_step is not None else features.ESTIMATE_CONDS,
+            steps=_steps.get() or 0)
     return executor(model, noise_shape, conds, *args, **kwargs)
 
 
@@ -263,4 +276,54 @@ def _apply_model(executor, *args, **kwargs):
         if patcher is not None and patcher.model.model_loaded_weight_memory:
             patcher.model.model_loaded_weight_memory = max(0, patcher.model.model_loaded_weight_memory - old + new)
 
-    return run_call(engine, lambda: executor(*args, **kwargs), smaller, on_change)
+    out = run_call(engine, lambda: executor(*args, **kwargs), smaller, on_change)
+    if patcher is not None and engine.att is not None and engine.att.stats.calls == 1 and not engine.att.stats.shrinks:
+        replan_by_rates(patcher, on_change)
+    return out
+
+
+def place_seconds(engine, residency: ResidencyPlan, ram_blocks, link_bytes_per_s: float) -> float:
+    """Seconds placing `residency` takes: blocks with a RAM home copied at the link rate, the
+    others (and RAM homes to fill) read from the file at the last read-back's rate."""
+    read, read_s = engine.read_back
+    disk = read / read_s if read and read_s > 0 else DISK_GUESS
+    need = set(residency.resident) | engine.ram_homes(residency, ram_blocks)
+    size = [s.layout.nbytes for s in engine.states]
+    from_file = sum(size[i] for i in need if i not in engine.pool.blocks)
+    from_ram = sum(size[i] for i in residency.resident if i in engine.pool.blocks)
+    return from_file / disk + from_ram / link_bytes_per_s
+
+
+def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None) -> WindowPlan | None:
+    """After a run's first model call: where the plan was made without measured rates, take
+    the plan the call's compute time and link rate choose, if swap.planner.replan_with_rates
+    says it pays back in this run's remaining calls; re-attach and log a plan line. Returns
+    the new plan or None. `rates`: (compute seconds of the call, link bytes/s), default the
+    engine's measurement (pinned copies only)."""
+    plan, request, engine = patcher.__dict__.get("_ringswap_plan"), request_of(patcher), patcher.swap_engine
+    if plan is None or request is None or not request.steps or plan.timed or not plan.residency.streamed:
+        return None
+    stats = engine.run_stats()
+    if rates is None:
+        first = stats.call_times[0] - stats.wait_s if len(stats.call_times) == 1 else 0.0
+        rates = (first, engine.link_bytes_per_s)
+    compute_s, link = rates
+    calls_left = request.steps * plan.inputs.calls_per_step - stats.calls
+    budget = patcher.ringswap.ram_budget_gb
+
+    def homes(residency):
+        split = ram_room.split_for(engine, residency, budget)
+        return split.ram_blocks if split is not None else None
+    new = replan_with_rates(plan, compute_s, link, calls_left,
+                            lambda r: place_seconds(engine, r, homes(r), link))
+    if new is None:
+        return None
+    t0, held = time.perf_counter(), engine.device_bytes()
+    engine.reattach(new.window, new.prefetch, homes(new.residency), after_oom=False)
+    on_change(held, engine.device_bytes())
+    new = dataclasses.replace(new, automatic=plan.automatic)
+    patcher.__dict__["_ringswap_plan"] = new
+    log.info("%s; re-planned after the first model call by its rates (est. %.2f s a call instead of %.2f s); "
+             "placed in %.2f s", new.line(), new.call_s, dataclasses.replace(plan, inputs=new.inputs).call_s,
+             time.perf_counter() - t0)
+    return new

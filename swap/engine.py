@@ -30,8 +30,6 @@ from .stats import RunStats
 log = logging.getLogger("ringswap.engine")
 
 PIN_MODES = ("auto", "on", "off")
-
-
 HOMES = ("ram", "disk", "auto")
 
 
@@ -130,17 +128,6 @@ class BlockSwapEngine:
             return 0
         return self._read_homes(sorted(keep), progress)
 
-    def _read_progress(self, plan: ResidencyPlan, keep: frozenset[int],
-                       progress: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
-        """progress(done, total) over everything an attach reads from the file (the blocks in
-        `keep` and the resident ones without a home), fed the bytes done so far; None when
-        nothing is read."""
-        if progress is None or self.read_block is None:
-            return None
-        todo = {i for i in keep | set(plan.resident) if i not in self.pool.blocks}
-        total = sum(self.states[i].layout.nbytes for i in todo)
-        return (lambda done, _: progress(done, total)) if total else None
-
     def _home_views(self, s: BlockState) -> list[torch.Tensor]:
         return s.layout.views(self.pool.blocks[s.index].flat)
 
@@ -171,7 +158,8 @@ class BlockSwapEngine:
                 return plan
             self.detach()
         t0 = time.perf_counter()
-        report = self._read_progress(plan, keep, progress)
+        report = home.read_progress(self.states, self.pool, keep | set(plan.resident), progress) \
+            if self.read_block is not None else None
         read_back = self._ensure_home(keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
         memory = self._choose_memory(device, [i for i in plan.streamed if i in keep], file_streamed, pin_memory)
@@ -358,11 +346,7 @@ class BlockSwapEngine:
             if s.slot is not None:
                 s.unbind()
                 s.slot = None
-        stats = att.stats
-        stats.add_times(*att.copier.take_times())
-        if stats.gbps > 0 and att.memory == "pinned":
-            self.link_bytes_per_s = stats.gbps * 1e9
-        return stats
+        return self.run_stats()
 
     def end_run(self) -> RunStats | None:
         """Close a sampling run (also after an interrupt): log one line and reset the counters."""
@@ -375,19 +359,30 @@ class BlockSwapEngine:
             log.info(stats.line())
         return stats
 
-    def reattach(self, window: int, prefetch: int) -> ResidencyPlan:
-        """Mid-run re-plan (e.g. a smaller window after running out of memory): free the ring
-        and resident blocks, attach again with the same device, pinning, owner and on-land
-        work, and carry the run's counters over."""
+    def reattach(self, window: int, prefetch: int, ram_blocks: Iterable[int] | None = None,
+                 after_oom: bool = True) -> ResidencyPlan:
+        """Mid-run re-plan (a smaller window after running out of memory, or the plan the first
+        call's rates choose): free the ring and resident blocks, attach again with the same
+        device, pinning, owner and on-land work (RAM homes: `ram_blocks`, else the same),
+        and carry the run's counters over."""
         att = self.att
         if att is None:
             raise RuntimeError("reattach needs an attached engine")
         stats = self._close_stats()
         device, pin_memory, owner, on_land = att.device, att.pin_memory, att.owner, att.on_land
         self.detach()
-        plan = self.attach(device, window, prefetch, pin_memory, owner, on_land, att.ram_homes)
-        self.att.stats = stats.continued(self.att.stats)
+        plan = self.attach(device, window, prefetch, pin_memory, owner, on_land,
+                           att.ram_homes if ram_blocks is None else ram_blocks)
+        self.att.stats = stats.continued(self.att.stats, after_oom)
         return plan
+
+    def run_stats(self) -> RunStats:
+        """This run's stats so far, with the device timings of the calls done (synchronises)."""
+        att = self.att
+        att.stats.add_times(*att.copier.take_times())
+        if att.stats.gbps > 0 and att.memory == "pinned":
+            self.link_bytes_per_s = att.stats.gbps * 1e9
+        return att.stats
 
     # ----- introspection ---------------------------------------------------------------
     def blocks_on_device(self) -> list[int]:

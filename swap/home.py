@@ -16,6 +16,14 @@ from .host_pool import HostPool
 log = logging.getLogger("ringswap.home")
 
 
+def read_progress(states: list, pool: HostPool, blocks: set[int],
+                  progress: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
+    """progress(done, total) over the bytes of those `blocks` without a home (what an attach
+    reads from the file), to be fed the bytes done so far; None when nothing is to be read."""
+    total = sum(states[i].layout.nbytes for i in blocks if i not in pool.blocks)
+    return (lambda done, _: progress(done, total)) if progress is not None and total else None
+
+
 def fill(states: list, pool: HostPool, read_block: Callable, progress: Callable[[int, int], None] | None) -> int:
     """Read every block of `states` without a home into a new one; calls progress(done, total) and
     returns the bytes read. On failure the reads in flight are cancelled or drained and

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
+from typing import Callable
 
 from .plan import ResidencyPlan
 from .timing import call_seconds
@@ -20,6 +21,8 @@ GB = 1e9
 HIDDEN = 1.01       # a call within 1% of its compute time: the copies hide
 GAIN = 0.995        # more prefetch is taken only where a call gets at least 0.5% faster
 MORE_PREFETCH = 2   # an automatic window may copy up to this many blocks further ahead than `prefetch`
+REPLAN_GAIN = 0.98  # a re-plan mid-run: each call at least 2% faster,
+REPLAN_PAYBACK = 2  # and the run's remaining calls save at least twice what placing the blocks costs
 
 
 class NotEnoughVRAM(RuntimeError):
@@ -258,6 +261,29 @@ def _versus(pick: WindowPlan, other: WindowPlan) -> str:
     if other.residency.streamed or pick.residency.streamed:
         return f"{name} would stream {other_cost / GB:.1f} GB a step vs {cost / GB:.1f} GB"
     return f"{name}: more model calls" if other.inputs.calls_per_step > pick.inputs.calls_per_step else name
+
+
+def replan_with_rates(plan: WindowPlan, compute_s: float, link_bytes_per_s: float, calls_left: int,
+                      place_s: Callable[[ResidencyPlan], float]) -> WindowPlan | None:
+    """After a run's first model call measured compute and link (a first prompt plans
+    without them): the automatic plan those rates choose for the same room and conds a call,
+    when it makes each call at least 2% faster (REPLAN_GAIN) and the `calls_left` calls
+    save at least REPLAN_PAYBACK x `place_s(new residency)`, the seconds its blocks take to
+    place; else None."""
+    if not plan.automatic or plan.timed or not plan.residency.streamed or calls_left < 1 \
+            or compute_s <= 0 or link_bytes_per_s <= 0:
+        return None
+    inputs = replace(plan.inputs, compute_s=compute_s, link_bytes_per_s=link_bytes_per_s)
+    now = replace(plan, inputs=inputs)   # the plan that ran, timed
+    try:
+        new = plan_window(inputs)
+    except NotEnoughVRAM:
+        return None
+    if new.residency == now.residency or new.over_bytes or new.call_s > now.call_s * REPLAN_GAIN:
+        return None
+    if (now.call_s - new.call_s) * calls_left < REPLAN_PAYBACK * place_s(new.residency):
+        return None
+    return replace(new, choice=plan.choice)
 
 
 def keep_attached(new: WindowPlan, attached: ResidencyPlan, ran_here: bool) -> WindowPlan | None:

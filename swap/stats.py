@@ -26,6 +26,7 @@ class RunStats:
     unplanned: int = 0     # streamed blocks called before their copy was issued (fetched then)
     call_times: list = field(default_factory=list)   # device seconds of each model call
     shrinks: list = field(default_factory=list)      # (from window, to window) after running out of memory
+    replans: list = field(default_factory=list)      # ((window, prefetch) from, to) by the first call's rates
     activation_peak: int = 0   # bytes the first model call allocated beyond the weights (CUDA)
 
     def add_times(self, copy_s: float, wait_s: float, land_times: list, call_times: list) -> None:
@@ -34,13 +35,16 @@ class RunStats:
         self.land_times += land_times
         self.call_times += call_times
 
-    def continued(self, fresh: "RunStats") -> "RunStats":
-        """`fresh` (stats of a new plan mid-run) with this run's counters carried over."""
+    def continued(self, fresh: "RunStats", after_oom: bool = True) -> "RunStats":
+        """`fresh` (stats of a new plan mid-run: after running out of memory, or a re-plan by
+        measured rates) with this run's counters carried over."""
         for name in ("copies", "bytes_copied", "copy_s", "wait_s", "forwards", "bytes_read", "read_wait_s",
                      "calls", "unplanned", "activation_peak"):
             setattr(fresh, name, getattr(self, name))
         fresh.land_times, fresh.call_times = self.land_times, self.call_times
-        fresh.shrinks = self.shrinks + [(self.window, fresh.window)]
+        fresh.shrinks = self.shrinks + ([(self.window, fresh.window)] if after_oom else [])
+        fresh.replans = self.replans + ([] if after_oom else [((self.window, self.prefetch),
+                                                                (fresh.window, fresh.prefetch))])
         return fresh
 
     @property
@@ -81,5 +85,7 @@ class RunStats:
                 + (f"; {self.unplanned} out-of-order fetches" if self.unplanned else "")
                 + (f"; activations peaked at {self.activation_peak / 1e9:.2f} GB" if self.activation_peak else "")
                 + "".join(f"; out of memory: window {a} -> {b}" for a, b in self.shrinks)
+                + "".join(f"; re-planned by the first call's rates: window {a[0]} prefetch {a[1]} -> window "
+                          f"{b[0]} prefetch {b[1]}" for a, b in self.replans)
                 + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
                    "for reads" if self.memory == "disk" or self.bytes_read else ""))

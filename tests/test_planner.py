@@ -255,3 +255,26 @@ def test_compute_time_leaves_out_the_runs_first_call():
     assert st.compute_s == pytest.approx(0.92)
     st.call_times, st.wait_s = [1.30], 0.1
     assert st.compute_s == pytest.approx(1.20)
+
+
+def test_replan_with_rates_takes_the_timed_plan_where_it_pays_back():
+    """A first prompt's plan (no rates) against the plan the first call's rates choose: taken
+    where each call gets >= 2% faster and the calls left save twice what placing costs;
+    never for a timed, manual or all-resident plan."""
+    from ringswap.swap.planner import replan_with_rates
+    b = 1_000_000
+    untimed = plan_window(PlanInputs(block_sizes=(b,) * 12, nonblock_bytes=0, free_bytes=4 * b, prefetch=1))
+    assert (untimed.window, untimed.prefetch, untimed.timed) == (3, 1, False)
+    new = replan_with_rates(untimed, 1.0, 10.5 * b, 20, lambda r: 0.1)
+    assert (new.window, new.prefetch, new.automatic) == (2, 2, True)
+    assert new.call_s == pytest.approx(1.048, abs=0.002)
+    assert replan_with_rates(untimed, 1.0, 10.5 * b, 2, lambda r: 0.1) is None     # 2 calls save 0.05 s < 0.2
+    assert replan_with_rates(untimed, 1.0, 10.5 * b, 20, lambda r: 0.3) is None    # 0.46 s < 0.6
+    assert replan_with_rates(untimed, 1.0, 1e12, 20, lambda r: 0.0) is None        # the copies hide: same plan
+    assert replan_with_rates(untimed, 0.0, 10.5 * b, 20, lambda r: 0.0) is None    # not measured
+    timed = replace(untimed, inputs=replace(untimed.inputs, compute_s=1.0, link_bytes_per_s=10.5 * b))
+    assert replan_with_rates(timed, 1.0, 10.5 * b, 20, lambda r: 0.0) is None
+    manual = plan_window(replace(untimed.inputs, window=3))
+    assert replan_with_rates(manual, 1.0, 10.5 * b, 20, lambda r: 0.0) is None
+    resident = plan_window(replace(untimed.inputs, free_bytes=20 * b))
+    assert replan_with_rates(resident, 1.0, 10.5 * b, 20, lambda r: 0.0) is None

@@ -216,3 +216,62 @@ def test_first_call_measures_the_activation_peak_for_the_next_plan(stock, caplog
     assert "(ComfyUI's estimate)" in plans[0] and "(measured on an earlier run)" in plans[1], plans
     (measured,) = model.swap_state.measured.values()
     assert measured.activation_peak > 0 and measured.compute_s > 0
+
+
+@pytest.fixture(scope="module")
+def stock12(tmp_path_factory):
+    return load_stock(tiny_wan(str(tmp_path_factory.mktemp("wan12")), blocks=12))
+
+
+def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
+    """A first prompt plans without rates. After its first model call, the plan its compute
+    time and link rate choose is taken where it pays back within the run (here 12 equal
+    blocks, room for 4: window 3 prefetch 1 stalls on adjacent streamed blocks, window 2
+    prefetch 2 does not); the run stays bit-exact and its lines say so. Too few steps left
+    to pay for placing the blocks again: no re-plan."""
+    import comfy.sample
+    steps = 20
+    noise = torch.randn(1, 16, 2, 8, 8, generator=torch.Generator().manual_seed(3))
+
+    def sample(model, callback=None, steps=steps):
+        return comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", conditioning(1), conditioning(2),
+                                   torch.zeros_like(noise), callback=callback, disable_pbar=True, seed=3)
+    ref = sample(stock12)
+    comfy.model_management.unload_all_models()
+    probe = patched(stock12, 0)
+    sample(probe)
+    inp = probe.__dict__["_ringswap_plan"].inputs
+    comfy.model_management.unload_all_models()
+    block = max(inp.block_sizes)
+    model = patched(stock12, 0, 1, (inp.nonblock_bytes + inp.activation_bytes + 4 * block + block // 2) / GB)
+    rates = (1.0, 10.5 * block)   # compute 1 s a call; a block copies in 1 / 10.5 s
+    seen = []
+
+    def after_step(i, *_):
+        if i == 0:
+            seen.append(run_plan.replan_by_rates(model, lambda old, new: None, rates))
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        assert torch.equal(sample(model, after_step), ref)
+    (new,) = seen
+    assert run_plan.request_of(model).steps == steps   # from the sampler's sigmas (OUTER_SAMPLE)
+    assert new is not None and (new.window, new.prefetch) == (2, 2), new
+    assert model.__dict__["_ringswap_plan"] is new
+    plans = messages(caplog, "RingSwap plan:")
+    assert plans[0].startswith("RingSwap plan: window 3 of 12 (auto;"), plans
+    assert plans[1].startswith("RingSwap plan: window 2 of 12 (auto; 1 resident + ring 3)"), plans
+    assert "re-planned after the first model call by its rates (est. 1.05 s a call instead of 1.07 s)" in plans[1]
+    (run,) = messages(caplog, "RingSwap run:")
+    assert "re-planned by the first call's rates: window 3 prefetch 1 -> window 2 prefetch 2" in run, run
+    assert "out of memory" not in run
+    comfy.model_management.unload_all_models()
+
+    ref3 = sample(stock12, steps=3)
+    comfy.model_management.unload_all_models()
+    short = patched(stock12, 0, 1, (inp.nonblock_bytes + inp.activation_bytes + 4 * block + block // 2) / GB)
+
+    def late(i, *_):   # 2 calls left save 0.05 s; placing window 2's resident block takes 0.1 s
+        if i == 0:
+            seen.append(run_plan.replan_by_rates(short, lambda old, new: None, rates))
+    assert torch.equal(sample(short, late, steps=3), ref3)
+    assert seen[-1] is None and short.swap_engine.plan.window == 3
+    comfy.model_management.unload_all_models()
