@@ -6,7 +6,7 @@ activations (measured on the first call of an earlier run of the same call shape
 ComfyUI's estimate), batched or one call per cond (swap.planner.plan_step); CALC_COND_BATCH
 makes ComfyUI's batching follow that plan (`free_for_batching`), and APPLY_MODEL runs every
 model call through swap.recovery (out-of-memory retry at a smaller window). A first prompt
-plans without measured rates; after its first model call `replan_by_rates` moves to the plan
+plans without measured rates; after its second model call `replan_by_rates` moves to the plan
 those rates choose where that pays back within the run (swap.planner.replan_with_rates).
 """
 from __future__ import annotations
@@ -32,6 +32,9 @@ log = logging.getLogger("ringswap.run_plan")
 
 GB = 1e9
 DISK_GUESS = 1e9   # bytes/s for reading blocks back from the file before any read was timed
+# the run's second model call gives the rates: the first one's compute includes start-up (kernels,
+# allocations; ~9% on the H200 at cfg 5), which hides a stall the timing model then misses
+RATES_AFTER_CALLS = 2
 WRAPPER_KEY = "ringswap"
 
 
@@ -277,7 +280,8 @@ def _apply_model(executor, *args, **kwargs):
             patcher.model.model_loaded_weight_memory = max(0, patcher.model.model_loaded_weight_memory - old + new)
 
     out = run_call(engine, lambda: executor(*args, **kwargs), smaller, on_change)
-    if patcher is not None and engine.att is not None and engine.att.stats.calls == 1 and not engine.att.stats.shrinks:
+    if patcher is not None and engine.att is not None and engine.att.stats.calls == RATES_AFTER_CALLS \
+            and not engine.att.stats.shrinks:
         replan_by_rates(patcher, on_change)
     return out
 
@@ -295,18 +299,18 @@ def place_seconds(engine, residency: ResidencyPlan, ram_blocks, link_bytes_per_s
 
 
 def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None) -> WindowPlan | None:
-    """After a run's first model call: where the plan was made without measured rates, take
-    the plan the call's compute time and link rate choose, if swap.planner.replan_with_rates
-    says it pays back in this run's remaining calls; re-attach and log a plan line. Returns
-    the new plan or None. `rates`: (compute seconds of the call, link bytes/s), default the
-    engine's measurement (pinned copies only)."""
+    """Early in a run (after RATES_AFTER_CALLS model calls): where the plan was made without
+    measured rates, take the plan the measured compute time a call and link rate choose, if
+    swap.planner.replan_with_rates says it pays back in this run's remaining calls; re-attach
+    and log a plan line. Returns the new plan or None. `rates`: (compute seconds a call, link
+    bytes/s), default the engine's measurement (compute without the first call where there
+    are more; pinned copies only)."""
     plan, request, engine = patcher.__dict__.get("_ringswap_plan"), request_of(patcher), patcher.swap_engine
     if plan is None or request is None or not request.steps or plan.timed or not plan.residency.streamed:
         return None
     stats = engine.run_stats()
     if rates is None:
-        first = stats.call_times[0] - stats.wait_s if len(stats.call_times) == 1 else 0.0
-        rates = (first, engine.link_bytes_per_s)
+        rates = (stats.compute_s, engine.link_bytes_per_s)
     compute_s, link = rates
     calls_left = request.steps * plan.inputs.calls_per_step - stats.calls
     budget = patcher.ringswap.ram_budget_gb
@@ -323,7 +327,7 @@ def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None
     on_change(held, engine.device_bytes())
     new = dataclasses.replace(new, automatic=plan.automatic)
     patcher.__dict__["_ringswap_plan"] = new
-    log.info("%s; re-planned after the first model call by its rates (est. %.2f s a call instead of %.2f s); "
+    log.info("%s; re-planned by the rates of the run's first calls (est. %.2f s a call instead of %.2f s); "
              "placed in %.2f s", new.line(), new.call_s, dataclasses.replace(plan, inputs=new.inputs).call_s,
              time.perf_counter() - t0)
     return new

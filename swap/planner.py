@@ -265,7 +265,7 @@ def _versus(pick: WindowPlan, other: WindowPlan) -> str:
 
 def replan_with_rates(plan: WindowPlan, compute_s: float, link_bytes_per_s: float, calls_left: int,
                       place_s: Callable[[ResidencyPlan], float]) -> WindowPlan | None:
-    """After a run's first model call measured compute and link (a first prompt plans
+    """After a run's first model calls measured compute and link (a first prompt plans
     without them): the automatic plan those rates choose for the same room and conds a call,
     when it makes each call at least 2% faster (REPLAN_GAIN) and the `calls_left` calls
     save at least REPLAN_PAYBACK x `place_s(new residency)`, the seconds its blocks take to

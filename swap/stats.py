@@ -26,7 +26,7 @@ class RunStats:
     unplanned: int = 0     # streamed blocks called before their copy was issued (fetched then)
     call_times: list = field(default_factory=list)   # device seconds of each model call
     shrinks: list = field(default_factory=list)      # (from window, to window) after running out of memory
-    replans: list = field(default_factory=list)      # ((window, prefetch) from, to) by the first call's rates
+    replans: list = field(default_factory=list)      # ((window, prefetch) from, to) by the first calls' rates
     activation_peak: int = 0   # bytes the first model call allocated beyond the weights (CUDA)
 
     def add_times(self, copy_s: float, wait_s: float, land_times: list, call_times: list) -> None:
@@ -85,7 +85,7 @@ class RunStats:
                 + (f"; {self.unplanned} out-of-order fetches" if self.unplanned else "")
                 + (f"; activations peaked at {self.activation_peak / 1e9:.2f} GB" if self.activation_peak else "")
                 + "".join(f"; out of memory: window {a} -> {b}" for a, b in self.shrinks)
-                + "".join(f"; re-planned by the first call's rates: window {a[0]} prefetch {a[1]} -> window "
+                + "".join(f"; re-planned by the first calls' rates: window {a[0]} prefetch {a[1]} -> window "
                           f"{b[0]} prefetch {b[1]}" for a, b in self.replans)
                 + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
                    "for reads" if self.memory == "disk" or self.bytes_read else ""))

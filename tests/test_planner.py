@@ -258,7 +258,7 @@ def test_compute_time_leaves_out_the_runs_first_call():
 
 
 def test_replan_with_rates_takes_the_timed_plan_where_it_pays_back():
-    """A first prompt's plan (no rates) against the plan the first call's rates choose: taken
+    """A first prompt's plan (no rates) against the plan the first calls' rates choose: taken
     where each call gets >= 2% faster and the calls left save twice what placing costs;
     never for a timed, manual or all-resident plan."""
     from ringswap.swap.planner import replan_with_rates

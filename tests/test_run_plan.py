@@ -224,8 +224,8 @@ def stock12(tmp_path_factory):
 
 
 def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
-    """A first prompt plans without rates. After its first model call, the plan its compute
-    time and link rate choose is taken where it pays back within the run (here 12 equal
+    """A first prompt plans without rates. Early in the run, the plan the measured compute time
+    and link rate choose is taken where it pays back within the run (here 12 equal
     blocks, room for 4: window 3 prefetch 1 stalls on adjacent streamed blocks, window 2
     prefetch 2 does not); the run stays bit-exact and its lines say so. Too few steps left
     to pay for placing the blocks again: no re-plan."""
@@ -259,9 +259,9 @@ def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
     plans = messages(caplog, "RingSwap plan:")
     assert plans[0].startswith("RingSwap plan: window 3 of 12 (auto;"), plans
     assert plans[1].startswith("RingSwap plan: window 2 of 12 (auto; 1 resident + ring 3)"), plans
-    assert "re-planned after the first model call by its rates (est. 1.05 s a call instead of 1.07 s)" in plans[1]
+    assert "re-planned by the rates of the run's first calls (est. 1.05 s a call instead of 1.07 s)" in plans[1]
     (run,) = messages(caplog, "RingSwap run:")
-    assert "re-planned by the first call's rates: window 3 prefetch 1 -> window 2 prefetch 2" in run, run
+    assert "re-planned by the first calls' rates: window 3 prefetch 1 -> window 2 prefetch 2" in run, run
     assert "out of memory" not in run
     comfy.model_management.unload_all_models()
 
