@@ -20,6 +20,7 @@ import comfy.utils
 from ..swap import BlockSwapEngine
 from . import comfy_features as features
 from .live_payload import live_payload
+from .run_state import swap_state_on
 
 log = logging.getLogger("ringswap.live_feed")
 
@@ -161,7 +162,7 @@ def install(patcher) -> None:
 
 
 def _apply_model(executor, x, t, *args, **kwargs):
-    state = executor.class_obj.diffusion_model.__dict__.get("_ringswap_state")
+    state = swap_state_on(executor.class_obj.diffusion_model)
     feed = feed_of(state.engine) if state is not None else None
     if feed is not None:
         options = kwargs.get("transformer_options", args[3] if len(args) > 3 else None)

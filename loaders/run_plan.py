@@ -27,6 +27,7 @@ from ..swap.planner import PlanInputs, WindowPlan, plan_step, replan_with_rates,
 from ..swap.recovery import run_call
 from . import comfy_features as features
 from . import ram_room
+from .run_state import swap_state_on
 
 log = logging.getLogger("ringswap.run_plan")
 
@@ -120,7 +121,7 @@ def _prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
         shape = tuple(int(d) for d in noise_shape)
         single, batched = features.activation_estimates(model, shape, conds)
         per_step = _conds_per_step.get()
-        model.__dict__["_ringswap_request"] = RunRequest(
+        model.ringswap_run.request = RunRequest(
             shape, single, batched, per_step if per_step is not None else features.ESTIMATE_CONDS,
             steps=_steps.get() or 0)
     return executor(model, noise_shape, conds, *args, **kwargs)
@@ -141,7 +142,7 @@ def free_for_batching(patcher, free_bytes: int) -> int:
     LINE_SLACK for an estimate at call time a little above the one at the run's start, less
     than one more cond adds), at most at it when the plan runs one call per cond; the true
     free memory without a plan."""
-    plan, request = patcher.__dict__.get("_ringswap_plan"), request_of(patcher)
+    plan, request = patcher.ringswap_run.plan, request_of(patcher)
     if plan is None or request is None or patcher.swap_engine.att is None or request.conds_per_step <= 1:
         return free_bytes
     line = int(features.BATCH_MARGIN * request.estimate_for(plan.inputs.conds_per_step))
@@ -149,7 +150,7 @@ def free_for_batching(patcher, free_bytes: int) -> int:
 
 
 def request_of(patcher) -> RunRequest | None:
-    return patcher.__dict__.get("_ringswap_request")
+    return patcher.ringswap_run.request
 
 
 def tokens(diffusion_model, noise_shape: tuple[int, ...]) -> int:
@@ -257,12 +258,12 @@ def _note_first_call(request: RunRequest | None, x) -> None:
 
 def _apply_model(executor, *args, **kwargs):
     dm = executor.class_obj.diffusion_model
-    state = dm.__dict__.get("_ringswap_state")
+    state = swap_state_on(dm)
     engine = state.engine if state is not None else None
     if engine is None or engine.att is None:
         return executor(*args, **kwargs)
     patcher = engine.att.owner() if callable(engine.att.owner) else None
-    plan = patcher.__dict__.get("_ringswap_plan") if patcher is not None else None
+    plan = patcher.ringswap_run.plan if patcher is not None else None
     if patcher is not None:
         _note_first_call(request_of(patcher), args[0] if args else kwargs.get("x"))
 
@@ -272,7 +273,7 @@ def _apply_model(executor, *args, **kwargs):
         nxt = shrink_after_oom(plan)
         if nxt is None:
             return None
-        patcher.__dict__["_ringswap_plan"] = nxt
+        patcher.ringswap_run.plan = nxt
         return nxt.window, nxt.prefetch
 
     def on_change(old: int, new: int) -> None:
@@ -305,7 +306,7 @@ def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None
     and log a plan line. Returns the new plan or None. `rates`: (compute seconds a call, link
     bytes/s), default the engine's measurement (compute without the first call where there
     are more; pinned copies only)."""
-    plan, request, engine = patcher.__dict__.get("_ringswap_plan"), request_of(patcher), patcher.swap_engine
+    plan, request, engine = patcher.ringswap_run.plan, request_of(patcher), patcher.swap_engine
     if plan is None or request is None or not request.steps or plan.timed or not plan.residency.streamed:
         return None
     stats = engine.run_stats()
@@ -326,7 +327,7 @@ def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None
     engine.reattach(new.window, new.prefetch, homes(new.residency), after_oom=False)
     on_change(held, engine.device_bytes())
     new = dataclasses.replace(new, automatic=plan.automatic)
-    patcher.__dict__["_ringswap_plan"] = new
+    patcher.ringswap_run.plan = new
     log.info("%s; re-planned by the rates of the run's first calls (est. %.2f s a call instead of %.2f s); "
              "placed in %.2f s", new.line(), new.call_s, dataclasses.replace(plan, inputs=new.inputs).call_s,
              time.perf_counter() - t0)

@@ -28,6 +28,7 @@ from ..swap.planner import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
 from . import live_feed, ram_room, run_plan
 from .block_lists import ALL_NAMES, find_block_lists
+from .run_state import RunState, swap_state_on
 
 log = logging.getLogger("ringswap.patcher")
 
@@ -84,16 +85,16 @@ class SwapState:
     def install(cls, diffusion_model: nn.Module, engine: BlockSwapEngine) -> "SwapState":
         """Use `engine` (e.g. one that reads blocks from a file) for this model."""
         state = cls(diffusion_model, engine)
-        diffusion_model.__dict__["_ringswap_state"] = state
+        diffusion_model.ringswap_state = state
         return state
 
     @classmethod
     def of(cls, patcher: comfy.model_patcher.ModelPatcher) -> "SwapState":
         dm = patcher.model.diffusion_model
-        state = dm.__dict__.get("_ringswap_state")
+        state = swap_state_on(dm)
         if state is None:
             state = cls(dm)
-            dm.__dict__["_ringswap_state"] = state
+            dm.ringswap_state = state
         return state
 
 
@@ -112,6 +113,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     ringswap: SwapSettings | None = None   # set by wrap(); None only inside wrap's clone call
     ringswap_base: comfy.model_patcher.ModelPatcher | None = None   # wrap's `onto`, kept alive (its cache is weak)
     ringswap_node: str | None = None   # id of the RingSwap node that made this MODEL (for the browser)
+    _swap_run: RunState | None = None   # made by ringswap_run on first use
 
     @classmethod
     def wrap(cls, model: comfy.model_patcher.ModelPatcher, settings: SwapSettings,
@@ -151,6 +153,14 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         return n
 
     @property
+    def ringswap_run(self) -> RunState:
+        """This patcher's run state, made on first use: every clone (ComfyUI builds a new
+        object, never copying this one's attributes) starts with a fresh one."""
+        if self._swap_run is None:
+            self._swap_run = RunState()
+        return self._swap_run
+
+    @property
     def swap_state(self) -> SwapState:
         return SwapState.of(self)
 
@@ -182,12 +192,13 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False, *args, **kwargs):
         t0 = time.perf_counter()
-        self.__dict__.pop("_ringswap_reloading", None)
+        run = self.ringswap_run
+        run.reloading = False
         switched = self._unload_other_rings()
         device = self._device(device_to)
         engine = self.swap_engine
         plan = run_plan.plan_for_load(self, device, full_load)
-        self.__dict__["_ringswap_plan"] = plan
+        run.plan = plan
         split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
         engine.attach(device, plan.window, plan.prefetch, self.ringswap.pin_memory,
                       owner=weakref.ref(self), on_land=self._block_folder(device),
@@ -222,11 +233,10 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         if not self.patches:
             return None
         from ..lora.fold import block_folder
-        cached = self.__dict__.get("_ringswap_folder")
-        if cached is None or cached[0] != (self.patches_uuid, device):
-            cached = ((self.patches_uuid, device), block_folder(self, features.lora_patch_dtype(device)))
-            self.__dict__["_ringswap_folder"] = cached
-        return cached[1]
+        run, key = self.ringswap_run, (self.patches_uuid, device)
+        if run.folder_key != key:
+            run.folder, run.folder_key = block_folder(self, features.lora_patch_dtype(device)), key
+        return run.folder
 
     def model_size(self):
         state = self.swap_state
@@ -267,9 +277,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         return freed
 
     def _release_folder(self) -> None:
-        cached = self.__dict__.get("_ringswap_folder")
-        if cached is not None and cached[1] is not None:
-            cached[1].release()
+        folder = self.ringswap_run.folder
+        if folder is not None:
+            folder.release()
 
     def unpatch_model(self, device_to=None, unpatch_weights=True, *args, **kwargs):
         if unpatch_weights:
@@ -281,13 +291,14 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         # ComfyUI's load_models_gpu asks a model it loads again whether it is a clone of
         # itself right before detaching it (unpatch_all=False): that detach keeps the blocks.
         if other is self:
-            self.__dict__["_ringswap_reloading"] = True
+            self.ringswap_run.reloading = True
         return super().is_clone(other)
 
     def detach(self, unpatch_all=True, *args, **kwargs):
         # Another patcher of the same model may load next: give the blocks back, unless
         # this patcher is the one loading again (see is_clone).
-        reloading = self.__dict__.pop("_ringswap_reloading", False)
+        run = self.ringswap_run
+        reloading, run.reloading = run.reloading, False
         if unpatch_all or not reloading:
             self._release_engine()
         return super().detach(unpatch_all, *args, **kwargs)
@@ -298,7 +309,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         `load`. ComfyUI counted the kept blocks as loaded, so `extra_memory` (what more it
         offers) grows by what they free; the planner, not that number, decides the window,
         as it does on every load."""
-        self.__dict__.pop("_ringswap_reloading", None)
+        self.ringswap_run.reloading = False
         if not self._owns_engine():
             return super().partially_load(device_to, extra_memory, *args, **kwargs)
         plans = self._plans_to_keep(device_to, extra_memory)
@@ -306,7 +317,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             freed = self._release_engine()
             return super().partially_load(device_to, extra_memory + freed, *args, **kwargs)
         plan, fresh = plans
-        self.__dict__["_ringswap_plan"] = plan
+        self.ringswap_run.plan = plan
         out = super().partially_load(device_to, max(0, extra_memory), *args, **kwargs)
         engine = self.swap_engine
         why = ("" if fresh is plan else f" (window {fresh.window} would fit; the copies hide already)"
@@ -350,7 +361,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         run_plan.record_run(self, stats)
         feed = live_feed.feed_of(self.swap_engine)
         if stats is not None:
-            _publish(stats, self.__dict__.get("_ringswap_plan"), self.ringswap_node,
+            _publish(stats, self.ringswap_run.plan, self.ringswap_node,
                      feed.finish() if feed is not None else (0.0, 0, 0))
         return super().cleanup(*args, **kwargs)
 

@@ -166,11 +166,11 @@ def test_batching_follows_the_plan_not_the_free_memory(stock):
     device = model.load_device
     plan = run_plan.plan_for_load(model, device, False)
     assert plan.batched
-    model.__dict__["_ringswap_plan"] = plan
+    model.ringswap_run.plan = plan
     assert model.get_free_memory(device) > line
     import dataclasses
     split = dataclasses.replace(plan, inputs=dataclasses.replace(plan.inputs, conds_per_call=1))
-    model.__dict__["_ringswap_plan"] = split
+    model.ringswap_run.plan = split
     assert model.get_free_memory(device) <= line
     assert BLOCKS == model.swap_engine.num_blocks
 

@@ -16,6 +16,7 @@ import comfy.utils
 from conftest import DYNAMIC_VRAM
 from ringswap.loaders import comfy_features as features
 from ringswap.loaders.model_loader import load_swapped_model
+from ringswap.loaders.run_state import swap_state_on
 from ringswap.loaders.swap_patcher import SwapModelPatcher, SwapSettings
 from ringswap.nodes.patch import RingSwapPatch
 from support.lora_files import build_lora
@@ -61,7 +62,7 @@ def test_patch_on_dynamic_model_equals_stock(wan, window, prefetch):
             assert torch.equal(got[k], ref[k]), f"run {run} input {k}"
         comfy.model_management.unload_all_models()
     # the stock MODEL's own blocks are untouched (RingSwap never swaps them)
-    assert "_ringswap_state" not in stock.model.diffusion_model.__dict__
+    assert swap_state_on(stock.model.diffusion_model) is None
 
 
 def test_patch_keeps_the_patches_of_the_dynamic_model(wan):

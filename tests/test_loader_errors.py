@@ -37,7 +37,7 @@ def _fast_and_quiet(fast_and_quiet):
     yield
 
 
-def live_ringswap_objects() -> dict:
+def live_loader_objects() -> dict:
     """Objects a half-finished load could leave behind (call after gc.collect())."""
     from comfy.ldm.wan.model import WanModel
     kinds = (BlockReader, BlockSwapEngine, SwapModelPatcher, WanModel)
@@ -52,7 +52,7 @@ def live_ringswap_objects() -> dict:
 def held() -> tuple[int, dict, int]:
     """(open file descriptors, live loader objects, RSS bytes), after a full collection."""
     gc.collect()
-    return (len(os.listdir("/proc/self/fd")), live_ringswap_objects(),
+    return (len(os.listdir("/proc/self/fd")), live_loader_objects(),
             psutil.Process().memory_info().rss)
 
 

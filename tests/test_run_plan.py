@@ -65,17 +65,32 @@ def test_one_plan_line_per_run_before_its_steps(stock, reference, caplog):
     assert "3 model calls" in lines[1]
 
 
+def test_a_clone_starts_a_fresh_run_state(stock):
+    """A clone (ComfyUI's or RingSwap Patch's) keeps nothing of its source's run: no plan,
+    request or reloading mark; the source keeps its own."""
+    model = patched(stock, 2)
+    ksample(model)
+    run = model.ringswap_run
+    assert run.plan is not None and run.request is not None
+    for fresh in (model.clone(), patched(model, 2)):
+        assert fresh.ringswap_run is not run
+        assert (fresh.ringswap_run.plan, fresh.ringswap_run.request, fresh.ringswap_run.reloading) == \
+            (None, None, False)
+    assert model.ringswap_run is run and run.plan is not None
+    comfy.model_management.unload_all_models()
+
+
 def test_budget_sizes_the_automatic_window(stock, reference):
     probe = patched(stock, 0)
     ksample(probe)
-    inp = probe.__dict__["_ringswap_plan"].inputs
+    inp = probe.ringswap_run.plan.inputs
     assert probe.swap_engine.plan.streamed == ()          # CPU without a budget: all resident
     block = max(inp.block_sizes)
     for on_device in (2, 3, 5):                            # window + prefetch blocks of room
         budget = (inp.nonblock_bytes + inp.activation_bytes + on_device * block + block // 2) / GB
         model = patched(stock, 0, 1, budget)
         assert torch.equal(ksample(model), reference)
-        plan = model.__dict__["_ringswap_plan"]
+        plan = model.ringswap_run.plan
         assert (plan.window, plan.automatic) == (on_device - 1, True), plan.line()
         assert model.swap_engine.plan.window == on_device - 1
         comfy.model_management.unload_all_models()
@@ -88,12 +103,12 @@ def test_automatic_window_that_ran_this_size_stays_placed(stock, reference, capl
     than there is now. A copy-bound window, or less memory than when it ran, is placed again."""
     probe = patched(stock, 0)
     ksample(probe)
-    inp = probe.__dict__["_ringswap_plan"].inputs
+    inp = probe.ringswap_run.plan.inputs
     comfy.model_management.unload_all_models()
     block = max(inp.block_sizes)
     activation = inp.activation_bytes + 2 * block
     model = patched(stock, 0, 1, (inp.nonblock_bytes + activation + 3 * block + block // 2) / GB)
-    shape = probe.__dict__["_ringswap_request"].noise_shape
+    shape = probe.ringswap_run.request.noise_shape
     model.swap_state.measured.clear()
     model.swap_state.measured[(shape, 1)] = run_plan.Measured(activation_peak=activation)
     assert torch.equal(ksample(model), reference)
@@ -240,7 +255,7 @@ def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
     comfy.model_management.unload_all_models()
     probe = patched(stock12, 0)
     sample(probe)
-    inp = probe.__dict__["_ringswap_plan"].inputs
+    inp = probe.ringswap_run.plan.inputs
     comfy.model_management.unload_all_models()
     block = max(inp.block_sizes)
     model = patched(stock12, 0, 1, (inp.nonblock_bytes + inp.activation_bytes + 4 * block + block // 2) / GB)
@@ -255,7 +270,7 @@ def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
     (new,) = seen
     assert run_plan.request_of(model).steps == steps   # from the sampler's sigmas (OUTER_SAMPLE)
     assert new is not None and (new.window, new.prefetch) == (2, 2), new
-    assert model.__dict__["_ringswap_plan"] is new
+    assert model.ringswap_run.plan is new
     plans = messages(caplog, "RingSwap plan:")
     assert plans[0].startswith("RingSwap plan: window 3 of 12 (auto;"), plans
     assert plans[1].startswith("RingSwap plan: window 2 of 12 (auto; 1 resident + ring 3)"), plans
