@@ -28,6 +28,10 @@
 # rank-64 LoRA on every block linear through the stock LoRA loader; ~6 min each; merge the two).
 # compare-compile (ComfyUI's TorchCompileModel, inductor: resident and RingSwap at 24 GiB, ~9 min).
 # compare-smoke (floor, ComfyUI 0.33 dynamic, diffusers, RingSwap Patch on 0.33 at 24 GiB, 7,800 tokens).
+# ram-32 (issue "runs on the RAM people have": home=ram with all RAM, then home=auto with a RAM ballast
+# leaving 32 GB, at 24 and 12 GiB, bf16, 7,800 tokens, ~6 min), experts-64 / experts-fp8-32 (two experts,
+# home=auto, 24 GiB, bf16 with 64 GB / scaled fp8 with 32 GB, ~3 min each), cfg5-first (the cfg 5, 12 GiB,
+# halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps: the re-plan by measured rates, ~2.5 min).
 # gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~1.5 min each);
 # gap-rs (0.3.75, 7,800 tokens, + RingSwap Patch at windows 29 and 10, the 24 / 12 GiB plans),
 # gap-033-dyn (0.33 dynamic VRAM, 7,800 tokens, + window 29), ~2 min each.
@@ -106,12 +110,19 @@ for p in "$@"; do
     compare-compile) compare compile 560 --tokens 7800 --caps 24 --compile inductor \
                        --configs comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.33-dyn@0 rs-patch-0.33-dyn ;;
     compare-smoke) compare smoke 300 --configs floor diffusers rs-patch-0.33-dyn --caps 24 --tokens 7800 ;;
+    ram-32) compare ram_ref 200 --tokens 7800 --configs rs-loader-0.3.75 --caps 24 12
+            compare ram_32 200 --tokens 7800 --configs rs-auto-0.3.75 --caps 24 12 --rams 32 ;;
+    experts-64) compare experts_64 200 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
+    experts-fp8-32) compare experts_fp8_32 200 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
+                      --rams 32 --experts 2 ;;
+    cfg5-first) compare cfg5_first 160 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
+                  --configs rs-patch-0.3.75 ;;
     live-033) part live_033 150 0.33 "" python3 bench/live_overhead.py --json "$OUT/live_033.json" ;;
     gap) part gap 300 0.3.75 0 python3 bench/gap_profile.py --json "$OUT/gap.json" ;;
     gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
