@@ -45,22 +45,25 @@ _BALLAST_CPU = "import time\nprint('ready 0 (no GPU: nothing held)', flush=True)
 
 class Ballast:
     """`with Ballast(cap_gib, device):` a process holding all but `cap_gib` GiB of the GPU's
-    free memory while the block runs (nothing for a cap of 0); `line` is what it said."""
+    free memory while the block runs (nothing for a cap of 0); `line` is what it said.
+    Subclasses hold something else by giving another `command` (ram_ballast.RamBallast)."""
 
     def __init__(self, cap_gib: float, device: str = "cuda"):
         self.cap_gib, self.device, self.proc, self.line = cap_gib, device, None, ""
 
+    def command(self) -> list[str]:
+        if self.device == "cuda":
+            torch.cuda.empty_cache()   # it sizes itself from what is free now
+        return [sys.executable, "-c", BALLAST if self.device == "cuda" else _BALLAST_CPU, str(self.cap_gib)]
+
     def __enter__(self) -> "Ballast":
         if self.cap_gib > 0:
-            if self.device == "cuda":
-                torch.cuda.empty_cache()   # it sizes itself from what is free now
-            code = BALLAST if self.device == "cuda" else _BALLAST_CPU
-            self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.cap_gib)],
-                                         stdout=subprocess.PIPE, text=True)
+            self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, text=True)
             self.line = self.proc.stdout.readline().strip()
             if not self.line.startswith("ready"):
                 self.__exit__(None, None, None)
-                raise RuntimeError(f"ballast for a {self.cap_gib} GiB cap did not start (rc {self.proc.returncode})")
+                raise RuntimeError(f"{type(self).__name__} for {self.cap_gib:g} GB did not start "
+                                   f"(rc {self.proc.returncode if self.proc else None}): {self.line!r}")
         return self
 
     def __exit__(self, *exc) -> None:

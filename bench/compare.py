@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
 from compare_child import CONFIGS, child  # noqa: E402
 from link_load import LinkLoad  # noqa: E402
-from ram_ballast import RamBallast, drop_all_caches, swapped_out_pages  # noqa: E402
+from ram_ballast import RamBallast, swapped_out_pages  # noqa: E402
 from compare_table import rounds_joined, scenario, table  # noqa: E402
 from compare_targets import targets  # noqa: E402
 
@@ -142,7 +142,8 @@ def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
     t0 = time.perf_counter()
     halved = cell.get("link", "full") == "halved" and a.device == "cuda"
     if cell.get("ram_gb"):   # a smaller machine: cold page cache, all but ram_gb of the RAM locked away
-        cell["page_cache"] = drop_all_caches()
+        from io_rates import drop_page_cache
+        cell["page_cache"] = drop_page_cache(path, "auto")
     swapped = swapped_out_pages()
     with LinkLoad(halved) as load, common.Ballast(cell["cap_gib"] if a.device == "cuda" else 0, a.device) as ballast, \
             RamBallast(cell.get("ram_gb", 0)) as ram:

@@ -173,22 +173,20 @@ def expert_steps(models: list, tokens: int, steps: int, ctx_len: int, cfg: float
     return [b - a_ for a_, b in zip(stamps, stamps[1:])]
 
 
-def keep_run_stats(patcher) -> list:
-    """RingSwap's per-run stats (bytes copied and read, copy rate) as its patcher closes each
-    sampling run; an empty list for other patchers."""
-    engine = getattr(patcher, "swap_engine", None)
+def keep_run_stats(patchers: list) -> list:
+    """RingSwap's per-run stats (bytes copied and read, copy rate) as each of `patchers`
+    closes a sampling run, in one list; empty for other patchers."""
     runs: list = []
-    if engine is None:
-        return runs
-    end_run = engine.end_run
+    for engine in {id(e): e for e in (getattr(p, "swap_engine", None) for p in patchers) if e is not None}.values():
+        end_run = engine.end_run
 
-    def keep():
-        st = end_run()
-        if st is not None:
-            runs.append(st)
-        return st
+        def keep(end_run=end_run):
+            st = end_run()
+            if st is not None:
+                runs.append(st)
+            return st
 
-    engine.end_run = keep
+        engine.end_run = keep
     return runs
 
 
@@ -208,7 +206,7 @@ def child(a) -> dict:
            "rss_after_load": common.rss_bytes(), "file_bytes": os.path.getsize(a.path),
            "env": common.env_info(dev), "rows": []}
     steps = a.disk_steps if cfg.kind == "disk" else a.steps
-    runs = keep_run_stats(patcher)
+    runs = keep_run_stats(obj if how == "experts" else [patcher])
     for tokens in a.tokens:
         if cfg.kind == "disk":
             from io_rates import drop_page_cache
@@ -231,13 +229,14 @@ def child(a) -> dict:
         engine = getattr(patcher, "swap_engine", None)
         if engine is not None and engine.plan is not None:
             row["plan"] = engine.plan.describe()
-        if runs:
-            st = runs.pop()
+        if runs:   # this workload's run (two experts: one each)
+            done = runs[-2:] if how == "experts" else runs[-1:]
             runs.clear()
-            n_steps = 1 + steps
-            row.update(stats_line=st.line(), calls=st.calls, calls_per_step=st.calls / n_steps,
-                       h2d_bytes_per_step=st.bytes_copied / n_steps, copy_gbps=st.gbps,
-                       read_bytes_per_step=st.bytes_read / n_steps)
+            n_steps, calls = 1 + steps, sum(st.calls for st in done)
+            copied, copy_s = sum(st.bytes_copied for st in done), sum(st.copy_s for st in done)
+            row.update(stats_line=" | ".join(st.line() for st in done), calls=calls, calls_per_step=calls / n_steps,
+                       h2d_bytes_per_step=copied / n_steps, copy_gbps=copied / copy_s / 1e9 if copy_s else 0.0,
+                       read_bytes_per_step=sum(st.bytes_read for st in done) / n_steps)
         row["log"], seen = log.lines[seen:], len(log.lines)
         if how == "experts" and "error" not in row:   # the second expert's first step holds the switch
             half = (1 + steps) // 2

@@ -1,8 +1,8 @@
 """A smaller machine's RAM on a big one: a separate process locks all but `leave` GB of the
 RAM available, so the process under test sees about `leave` GB (psutil's available, which
 RingSwap's home=auto and ComfyUI read). The locked pages are mlock'ed where the OS lets it
-(else only touched: no swap on the H200 machine). Also: the page cache dropped for every
-file, and the pages swapped out so far (to show a cell did not swap).
+(else only touched: no swap on the H200 machine). Also: the pages swapped out so far (to
+show a cell did not swap).
 
     with RamBallast(32) as b: print(b.line)     # in bench/compare.py, per cell (--rams)
     python bench/ram_ballast.py 32               # the ballast process itself
@@ -12,24 +12,15 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import subprocess
 import sys
 import time
 
 import psutil
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Ballast  # noqa: E402
+
 GB = 1e9
-
-
-def drop_all_caches() -> str:
-    """Drop the whole page cache (root); 'not dropped (...)' where that is refused."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "page cache dropped"
-    except OSError as e:
-        return f"page cache not dropped ({e.strerror or e})"
 
 
 def swapped_out_pages() -> int | None:
@@ -41,29 +32,21 @@ def swapped_out_pages() -> int | None:
         return None
 
 
-class RamBallast:
+class RamBallast(Ballast):
     """`with RamBallast(leave_gb):` a process holding all but `leave_gb` GB of the available
     RAM while the block runs (nothing for 0); `line` says what it locked and what is left."""
 
     def __init__(self, leave_gb: float):
-        self.leave_gb, self.proc, self.line = leave_gb, None, ""
+        super().__init__(leave_gb, "cpu")
+
+    def command(self) -> list[str]:
+        return [sys.executable, os.path.abspath(__file__), str(self.cap_gib)]
 
     def __enter__(self) -> "RamBallast":
-        if self.leave_gb > 0:
-            self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(self.leave_gb)],
-                                         stdout=subprocess.PIPE, text=True)
-            self.line = self.proc.stdout.readline().strip()
-            if not self.line.startswith("ready"):
-                self.__exit__()
-                raise RuntimeError(f"RAM ballast leaving {self.leave_gb} GB did not start: {self.line!r}")
+        super().__enter__()
+        if self.line:
             self.line += f"; available to the cell now {psutil.virtual_memory().available / GB:.1f} GB"
         return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
 
 
 def _hold(leave_gb: float) -> None:
