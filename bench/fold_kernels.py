@@ -89,7 +89,7 @@ def main():
             def block(first=False):
                 for wt in weights:
                     if first:   # as the first landing: both passes (later ones keep its amax)
-                        wt["pairs"].kept_slot = None
+                        wt["pairs"].amax_kept = False
                     if kind == "fp8":
                         assert K.fold_fp8_(*wt["fp8"], wt["pairs"], 1e-12)
                     else:

@@ -71,26 +71,20 @@ class Pairs:
             k += r
         self.scales = torch.tensor(scales, dtype=torch.float32, device=device)
         self.prec = "tf32x3" if self.dtype == torch.float32 else None
-        # [amax, amax, old scale]: a fold takes its amax in one slot and clears the other for
-        # the next fold, so a fold is two launches and nothing in between
+        # [amax, amax, old scale]: the first fold takes its amax in slot 0 (the kernels can
+        # alternate two slots; only the first fold computes one now) and the old scale in 2
         self.scratch = torch.zeros(3, dtype=torch.float32, device=device)
-        self._slot = 1
-        # the slot holding the amax and old scale of the first fold: every later fold of this
-        # weight has the same base (a block lands from the same home each time), so it skips
-        # the amax pass and requantizes with the same fresh scale, bit for bit
-        self.kept_slot: int | None = None
+        # every later fold of this weight has the same base (a block lands from the same home
+        # each time), so it skips the amax pass and requantizes with the kept amax, bit for bit
+        self.amax_kept = False
 
     def fold_passes(self) -> tuple[int, tuple]:
         """(scratch slot, passes) of the next fold: both passes the first time, then the
-        requantize pass with the kept amax."""
-        if self.kept_slot is not None:
-            return self.kept_slot, REQUANT_PASS
-        self._slot ^= 1
-        return self._slot, TWO_PASSES
-
-    def folded(self, slot: int) -> None:
-        """A fold with `slot` was issued: later folds keep its amax."""
-        self.kept_slot = slot
+        requantize pass with the kept amax. (A first fold that cannot run turns the kernel
+        off on that device, so what it kept is never read.)"""
+        passes = REQUANT_PASS if self.amax_kept else TWO_PASSES
+        self.amax_kept = True
+        return 0, passes
 
 
 if triton is not None:
@@ -259,7 +253,7 @@ def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: flo
             m, n, torch.finfo(q.dtype).max, min_scale)
     return _launch("fp8", q, _fp8_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, passes,
                    dict(RANK=pairs.rank, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec,
-                        num_warps=warps), pairs, slot)
+                        num_warps=warps))
 
 
 def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Tensor, pairs: Pairs,
@@ -280,23 +274,19 @@ def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Ten
     args = (qdata, block_scale.view(torch.uint8), scale, pairs.scratch, slot, pairs.up, pairs.down,
             pairs.scales, m, n, groups, max_value, min_scale)
     return _launch("nvfp4", qdata, _nvfp4_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, passes,
-                   dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps), pairs, slot)
+                   dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps))
 
 
 TWO_PASSES = ({"REQUANT": False}, {"REQUANT": True})   # the amax pass, then the requantize pass
 REQUANT_PASS = TWO_PASSES[1:]
 
 
-def _launch(name: str, target: torch.Tensor, kernel, grid: tuple, args: tuple, passes: tuple, meta: dict,
-            pairs: Pairs | None = None, slot: int = 0) -> bool:
-    """Launch `kernel` once per entry of `passes` (then tell `pairs` its fold was issued);
-    False (logged once, the kernel not tried again on that device) where it cannot build or
-    run. Once it has run, a failure raises."""
+def _launch(name: str, target: torch.Tensor, kernel, grid: tuple, args: tuple, passes: tuple, meta: dict) -> bool:
+    """Launch `kernel` once per entry of `passes`; False (logged once, the kernel not tried
+    again on that device) where it cannot build or run. Once it has run, a failure raises."""
     try:
         for extra in passes:
             kernel[grid](*args, **extra, **meta)
-        if pairs is not None:
-            pairs.folded(slot)
     except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
         if (name, target.device) in _BUILT:
             raise

@@ -73,7 +73,7 @@ def test_later_folds_keep_the_first_amax_bit_for_bit():
     for _ in range(3):
         q, s = q0.clone(), s0.clone()
         assert kernels.fold_fp8_(q, s, kp, MIN_SCALE)
-        runs.append((q.view(torch.uint8), s, kp.kept_slot))
+        runs.append((q.view(torch.uint8), s, kp.amax_kept))
     assert runs[0][2] is not None and len({r[2] for r in runs}) == 1
     for q, s, _ in runs[1:]:
         assert torch.equal(q, runs[0][0]) and torch.equal(s, runs[0][1])
