@@ -326,7 +326,6 @@ def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None
     t0, held = time.perf_counter(), engine.device_bytes()
     engine.reattach(new.window, new.prefetch, homes(new.residency), after_oom=False)
     on_change(held, engine.device_bytes())
-    new = dataclasses.replace(new, automatic=plan.automatic)
     patcher.ringswap_run.plan = new
     log.info("%s; re-planned by the rates of the run's first calls (est. %.2f s a call instead of %.2f s); "
              "placed in %.2f s", new.line(), new.call_s, dataclasses.replace(plan, inputs=new.inputs).call_s,
