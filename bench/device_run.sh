@@ -31,7 +31,8 @@
 # ram-32 (issue "runs on the RAM people have": home=ram with all RAM, then home=auto with a RAM ballast
 # leaving 32 GB, at 24 and 12 GiB, bf16, 7,800 tokens, ~6 min), experts-64 / experts-fp8-32 (two experts,
 # home=auto, 24 GiB, bf16 with 64 GB / scaled fp8 with 32 GB, ~3 min each), cfg5-first (the cfg 5, 12 GiB,
-# halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps: the re-plan by measured rates, ~2.5 min).
+# halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps, beside ComfyUI resident: the re-plan by
+# measured rates, ~3.5 min).
 # gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~1.5 min each);
 # gap-rs (0.3.75, 7,800 tokens, + RingSwap Patch at windows 29 and 10, the 24 / 12 GiB plans),
 # gap-033-dyn (0.33 dynamic VRAM, 7,800 tokens, + window 29), ~2 min each.
@@ -115,8 +116,8 @@ for p in "$@"; do
     experts-64) compare experts_64 200 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
     experts-fp8-32) compare experts_fp8_32 200 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
                       --rams 32 --experts 2 ;;
-    cfg5-first) compare cfg5_first 160 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
-                  --configs rs-patch-0.3.75 ;;
+    cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
+                  --configs comfy-0.3.75@0 rs-patch-0.3.75 ;;
     live-033) part live_033 150 0.33 "" python3 bench/live_overhead.py --json "$OUT/live_033.json" ;;
     gap) part gap 300 0.3.75 0 python3 bench/gap_profile.py --json "$OUT/gap.json" ;;
     gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
