@@ -135,7 +135,7 @@ def disk_rates(path: str, a) -> list[dict]:
 
 def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
     """One cell: ballast (cap) first, then its process; the result merged into `cell`."""
-    if CONFIGS[cell["config"]].kind == "disk":
+    if CONFIGS[cell["config"]].kind == "disk" or cell.get("ram_gb"):   # held to the disk's own rate
         cell["odirect"] = disk_rates(path, a)
         common.say("[compare] O_DIRECT: " + ", ".join(f"{o['gbps']:.2f} GB/s ({o['mode']})" for o in cell["odirect"]))
     cmd, env = child_command(a, cell, path)

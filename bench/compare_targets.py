@@ -2,7 +2,10 @@
 as fast as every peer at the same cap; <= 1.01 x ComfyUI resident of its version at 24 GiB;
 >= 90% of the pinned link where a cell is transfer-bound (else the bound it can reach);
 steady host RSS <= 1.05 x the file with home=ram, a few blocks with home=disk (whose speed is
-held to the disk's own O_DIRECT rate instead)."""
+held to the disk's own O_DIRECT rate instead). home=auto under a RAM ballast (issue 25): no
+swapping, peak RSS <= the RAM given, <= 1.02 x home=ram where the streamed blocks fit in RAM,
+else the file's share read at >= 85% of O_DIRECT; an expert switch <= its resident bytes at
+the disk's rate."""
 from __future__ import annotations
 
 import re
@@ -10,7 +13,7 @@ import re
 from compare_child import CONFIGS
 from compare_table import resident_of, scenario, speeds_of, uncapped
 
-RINGSWAP = ("patch", "loader", "disk")
+RINGSWAP = ("patch", "loader", "disk", "auto")
 PEERS = ("comfy", "diffusers")
 
 
@@ -76,6 +79,39 @@ def _disk(c: dict, r: dict) -> str:
     return f"disk read {rate:.2f} GB/s = {100 * rate / best:.0f}% of the disk's O_DIRECT {best:.2f} GB/s"
 
 
+def _ram_targets(speeds: dict, c: dict, r: dict) -> list[str]:
+    """Issue 25, home=auto on a smaller machine (a RAM ballast leaving ram_gb)."""
+    ram = c.get("ram_gb")
+    if not ram:
+        return []
+    swapped = c.get("pages_swapped_out")
+    out = [f"pages swapped out {swapped} ({'ok' if swapped == 0 else 'MISSED'} none)",
+           f"RSS peak {r.get('rss_peak', 0) / 1e9:.1f} GB ({'ok' if r.get('rss_peak', 0) <= ram * 1e9 else 'MISSED'} "
+           f"<= {ram:g} GB given)"]
+    best = max((o["gbps"] for o in c.get("odirect") or []), default=None)
+    cfg = CONFIGS[c["config"]]
+    ref_config = next((k for k, v in CONFIGS.items() if v.kind == "loader" and (v.comfy, v.dynamic) ==
+                       (cfg.comfy, cfg.dynamic)), None)
+    ref = speeds.get(scenario({**c, "ram_gb": 0, "experts": 1}) + (ref_config, c["cap_gib"], r["tokens"]))
+    if not r.get("read_bytes_per_step"):
+        if ref:
+            x = r["s_per_step"] / ref
+            out.append(f"streamed blocks in RAM: x{x:.3f} home=ram {ref:.3f} ({'ok' if x <= 1.02 else 'MISSED'} <= 1.02)")
+    elif best:
+        rate = r["read_bytes_per_step"] / 1e9 / r["s_per_step"]
+        hidden = ref and r["s_per_step"] <= 1.02 * ref
+        ok = "ok" if rate >= 0.85 * best or hidden else "MISSED"
+        out.append(f"file share read at {rate:.2f} GB/s = {100 * rate / best:.0f}% of O_DIRECT {best:.2f} GB/s "
+                   f"({ok} >= 85%{', or hidden: <= 1.02 x home=ram' if hidden else ''})")
+    n = _blocks(r.get("plan"))
+    if r.get("switch_step_s") is not None and n and best and c.get("file_bytes"):
+        bound = n[0] * c["file_bytes"] / sum(n) / 1e9 / best
+        extra = r["switch_step_s"] - r["s_per_step"]
+        out.append(f"expert switch +{extra:.2f} s ({'ok' if extra <= bound else 'MISSED'} <= {bound:.2f} s: "
+                   f"{n[0]} resident blocks at O_DIRECT)")
+    return out
+
+
 def _resident_targets(c: dict, r: dict, resident: float | None, rate: float | None) -> str:
     """Issue 24: <= 1.02 x resident where the step's copies at the cell's link rate take less
     than the resident step; <= 1.05 x at cfg 5, 12 GiB, halved link, 7,800 tokens."""
@@ -112,6 +148,8 @@ def targets(cells: list[dict], link_gbps: float | None, workers: int = 8) -> str
         rate = c.get("h2d_left_gbps") or link_gbps
         if CONFIGS[c["config"]].kind == "disk":   # bound by the disk, not by the link or a peer
             bits = [_disk(c, r), _rss(c, r, workers)]
+        elif c.get("ram_gb"):   # a smaller machine: held to home=ram and the disk
+            bits = _ram_targets(speeds, c, r)
         else:
             bits = []
             if resident and c["cap_gib"] == 24 and cfg == 1 and link == "full":

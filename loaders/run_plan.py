@@ -274,7 +274,7 @@ def _apply_model(executor, *args, **kwargs):
         if nxt is None:
             return None
         patcher.ringswap_run.plan = nxt
-        return nxt.window, nxt.prefetch
+        return nxt.residency
 
     def on_change(old: int, new: int) -> None:
         if patcher is not None and patcher.model.model_loaded_weight_memory:
@@ -288,15 +288,20 @@ def _apply_model(executor, *args, **kwargs):
 
 
 def place_seconds(engine, residency: ResidencyPlan, ram_blocks, link_bytes_per_s: float) -> float:
-    """Seconds placing `residency` takes: blocks with a RAM home copied at the link rate, the
-    others (and RAM homes to fill) read from the file at the last read-back's rate."""
+    """Seconds re-attaching `residency` takes: the resident blocks not on the device yet, copied
+    from their RAM home at the link rate or read from the file at the last read-back's rate,
+    RAM homes to fill from the file, and the streamed homes to page-lock at the pool's rate."""
     read, read_s = engine.read_back
     disk = read / read_s if read and read_s > 0 else DISK_GUESS
-    need = set(residency.resident) | engine.ram_homes(residency, ram_blocks)
-    size = [s.layout.nbytes for s in engine.states]
-    from_file = sum(size[i] for i in need if i not in engine.pool.blocks)
-    from_ram = sum(size[i] for i in residency.resident if i in engine.pool.blocks)
-    return from_file / disk + from_ram / link_bytes_per_s
+    on_device = set(engine.att.plan.resident) if engine.att is not None else set()
+    placing = set(residency.resident) - on_device
+    homes = engine.ram_homes(residency, ram_blocks)
+    size, pool = [s.layout.nbytes for s in engine.states], engine.pool.blocks
+    from_file = sum(size[i] for i in placing | homes if i not in pool)
+    from_ram = sum(size[i] for i in placing if i in pool)
+    to_pin = sum(size[i] for i in homes & set(residency.streamed) if i not in pool or not pool[i].pinned) \
+        if engine.memory == "pinned" else 0
+    return from_file / disk + from_ram / link_bytes_per_s + engine.pool.pin_seconds(to_pin)
 
 
 def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None) -> WindowPlan | None:
@@ -324,7 +329,7 @@ def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None
     if new is None:
         return None
     t0, held = time.perf_counter(), engine.device_bytes()
-    engine.reattach(new.window, new.prefetch, homes(new.residency), after_oom=False)
+    engine.reattach(new.residency, homes(new.residency), after_oom=False)
     on_change(held, engine.device_bytes())
     patcher.ringswap_run.plan = new
     log.info("%s; re-planned by the rates of the run's first calls (est. %.2f s a call instead of %.2f s); "

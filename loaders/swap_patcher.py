@@ -200,7 +200,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         plan = run_plan.plan_for_load(self, device, full_load)
         run.plan = plan
         split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
-        engine.attach(device, plan.window, plan.prefetch, self.ringswap.pin_memory,
+        engine.attach(device, plan.residency, self.ringswap.pin_memory,
                       owner=weakref.ref(self), on_land=self._block_folder(device),
                       ram_blocks=split.ram_blocks if split is not None else None,
                       progress=live_feed.progress_bar())

@@ -132,24 +132,26 @@ class BlockSwapEngine:
         return s.layout.views(self.pool.blocks[s.index].flat)
 
     # ----- attach / detach -----------------------------------------------------------
-    def attach(self, device: torch.device | str, window: int, prefetch: int,
+    def attach(self, device: torch.device | str, plan: ResidencyPlan,
                pin_memory: str = "auto", owner: object = None,
                on_land: Callable[[int, list[torch.Tensor]], None] | None = None,
                ram_blocks: Iterable[int] | None = None,
                progress: Callable[[int, int], None] | None = None) -> ResidencyPlan:
-        """Place resident blocks on `device`, hook the streamed ones and prime the ring.
+        """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` runs on the compute stream right after a block's weights
         land on the device and before it computes (e.g. to fold LoRA deltas in place);
         the host copy is never touched. `ram_blocks` (home=auto): the streamed blocks to
         hold in RAM, see `ram_homes`. `progress(done_bytes, total_bytes)` follows what is
         read from the file (homes, resident blocks without one). Attaching again with the
-        same settings keeps everything and only takes `owner`."""
+        same settings keeps everything and only takes `owner`. A resident block still on the
+        device (kept by `reattach`) is not placed again."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if pin_memory not in PIN_MODES:
             raise ValueError(f"pin_memory must be one of {PIN_MODES}, got {pin_memory!r}")
-        plan = ResidencyPlan.make(self.num_blocks, window, prefetch)
+        if plan.num_blocks != self.num_blocks:
+            raise ValueError(f"the plan is for {plan.num_blocks} blocks, the engine has {self.num_blocks}")
         keep = self.ram_homes(plan, ram_blocks)
         if self.att is not None:
             if (self.att.device, self.att.plan, self.att.pin_memory, self.att.on_land, self.att.ram_homes) == \
@@ -158,22 +160,25 @@ class BlockSwapEngine:
                 return plan
             self.detach()
         t0 = time.perf_counter()
-        report = home.read_progress(self.states, self.pool, keep | set(plan.resident), progress) \
+        placing = [i for i in plan.resident if self.states[i].device_buffer is None]
+        report = home.read_progress(self.states, self.pool, keep | set(placing), progress) \
             if self.read_block is not None else None
         read_back = self._ensure_home(keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
-        memory = self._choose_memory(device, [i for i in plan.streamed if i in keep], file_streamed, pin_memory)
-        att = Attachment(device, plan, memory, pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
+        att = Attachment(device, plan, "", pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
         try:
-            if file_streamed or any(i not in self.pool.blocks for i in plan.resident):
+            if file_streamed or any(i not in self.pool.blocks for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
                                           pin=device.type == "cuda" and pin_memory != "off")
-            for i in plan.resident:
+            for i in placing:   # before pinning changes: a block streamed until now copies from its pinned home
                 read_back += self._place(att, self.states[i])
                 if report is not None:
                     report(read_back, 0)
+            att.copier.synchronize()
+            from_ram = [i for i in plan.streamed if i in keep]
+            att.memory = "disk" if self.home == "disk" or (file_streamed and not from_ram) else \
+                home.copy_memory(self.states, self.pool, device, from_ram, pin_memory)
             if self.home == "auto":   # resident blocks keep no host copy
-                att.copier.synchronize()
                 for i in list(self.pool.blocks):
                     if i not in keep:
                         self.pool.drop(i)
@@ -182,7 +187,7 @@ class BlockSwapEngine:
                     att.readahead = None
             if plan.streamed:
                 nbytes = max(self.states[i].layout.nbytes for i in plan.streamed)
-                att.ring = SlotRing(plan.ring_slots, nbytes, device, staging=memory == "staged",
+                att.ring = SlotRing(plan.ring_slots, nbytes, device, staging=att.memory == "staged",
                                     pin_staging=device.type == "cuda")
                 att.ram = RamSource(self, att)
                 if att.readahead is not None:
@@ -197,7 +202,7 @@ class BlockSwapEngine:
                 self._issue(i, att.ring.victim([]))
             att.copier.take_times()   # resident placement is loading, not a run's copies
             if on_land is not None:
-                for i in plan.resident:
+                for i in placing:
                     on_land(i, self.states[i].binding.current())
             att.stats = att.new_stats()
         except BaseException:
@@ -205,7 +210,7 @@ class BlockSwapEngine:
             self.detach()
             raise
         self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
-        log.debug("attached on %s: %s, %s memory", device, plan.describe(), memory)
+        log.debug("attached on %s: %s, %s memory", device, plan.describe(), att.memory)
         return plan
 
     def _place(self, att: Attachment, s: BlockState) -> int:
@@ -223,16 +228,13 @@ class BlockSwapEngine:
         s.binding.bind(s.layout.views(s.device_buffer))
         return read
 
-    def _choose_memory(self, device: torch.device, from_ram: list[int], from_file: list[int],
-                       pin_memory: str) -> str:
-        """How streamed copies leave host memory: "pinned", "staged" or "pageable" (RAM
-        homes), or "disk" where every streamed block comes from the file."""
-        if self.home == "disk" or (from_file and not from_ram):
-            return "disk"
-        return home.copy_memory(self.states, self.pool, device, from_ram, pin_memory)
-
     def detach(self) -> None:
         """Drain copies, unhook, free device buffers; parameters point at home again."""
+        self._detach(frozenset(), unpin=True)
+
+    def _detach(self, kept: frozenset[int], unpin: bool) -> None:
+        """detach, keeping the device buffers of the resident blocks in `kept` (and, without
+        `unpin`, home=auto's pinned homes) for the attach that follows."""
         att = self.att
         if att is None:
             return
@@ -244,6 +246,8 @@ class BlockSwapEngine:
             if att.hooks is not None:
                 att.hooks.remove()
             for s in self.states:
+                if s.index in kept:
+                    continue
                 s.device_buffer = None
                 s.slot = None
                 if s.index in self.pool.blocks:
@@ -252,7 +256,7 @@ class BlockSwapEngine:
                     s.unbind(torch.device("cpu"))
             if att.ring is not None:
                 att.ring.release()
-            if self.home == "auto":   # a model not on the device holds no pinned memory
+            if self.home == "auto" and unpin:   # a model not on the device holds no pinned memory
                 self.pool.unpin_all()
             self.att = None
 
@@ -359,20 +363,19 @@ class BlockSwapEngine:
             log.info(stats.line())
         return stats
 
-    def reattach(self, window: int, prefetch: int, ram_blocks: Iterable[int] | None = None,
+    def reattach(self, plan: ResidencyPlan, ram_blocks: Iterable[int] | None = None,
                  after_oom: bool = True) -> ResidencyPlan:
         """Mid-run re-plan (a smaller window after running out of memory, or the plan the first
-        call's rates choose): free the ring and resident blocks, attach again with the same
-        device, pinning, owner and on-land work (RAM homes: `ram_blocks`, else the same),
-        and carry the run's counters over."""
+        calls' rates choose): attach `plan` with the same device, pinning, owner and on-land
+        work (RAM homes: `ram_blocks`, else the same), keeping on the device the resident
+        blocks both plans share and carrying the run's counters over."""
         att = self.att
         if att is None:
             raise RuntimeError("reattach needs an attached engine")
         stats = self._close_stats()
         device, pin_memory, owner, on_land = att.device, att.pin_memory, att.owner, att.on_land
-        self.detach()
-        plan = self.attach(device, window, prefetch, pin_memory, owner, on_land,
-                           att.ram_homes if ram_blocks is None else ram_blocks)
+        self._detach(frozenset(att.plan.resident) & frozenset(plan.resident), unpin=False)
+        self.attach(device, plan, pin_memory, owner, on_land, att.ram_homes if ram_blocks is None else ram_blocks)
         self.att.stats = stats.continued(self.att.stats, after_oom)
         return plan
 

@@ -71,7 +71,8 @@ def capture(states: list, pool: HostPool) -> None:
 
 
 def copy_memory(states: list, pool: HostPool, device: torch.device, streamed: list[int], pin_memory: str) -> str:
-    """How the copies of the `streamed` blocks leave their homes: "pinned", "staged" or "pageable"."""
+    """How the copies of the `streamed` blocks leave their RAM homes: "pinned", "staged" or
+    "pageable" (the engine says "disk" where every streamed block comes from the file)."""
     if not streamed:
         return "pinned" if pool.pinned_bytes else "pageable"
     if device.type != "cuda":

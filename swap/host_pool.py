@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import time
 from typing import Protocol
 
 import torch
@@ -161,6 +162,9 @@ class HostBuffer:
             pass
 
 
+PIN_GUESS = 4e9   # bytes/s page-locking runs at before it is measured (cudaHostRegister)
+
+
 def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """An uninitialised byte buffer on `device` (host memory via HostBuffer on the CPU)."""
     if device.type == "cpu":
@@ -173,6 +177,7 @@ class HostPool:
 
     def __init__(self) -> None:
         self.blocks: dict[int, HostBuffer] = {}
+        self.pinned_s = (0, 0.0)   # bytes page-locked so far and the seconds it took (its rate)
 
     def add(self, index: int, nbytes: int) -> HostBuffer:
         buf = HostBuffer(nbytes)
@@ -192,11 +197,21 @@ class HostPool:
         for i, buf in self.blocks.items():
             if i not in wanted:
                 buf.unpin()
-        for i in indices:
-            if not self.blocks[i].pin():
+        todo = [self.blocks[i] for i in indices if not self.blocks[i].pinned]
+        t0 = time.perf_counter()
+        for buf in todo:
+            if not buf.pin():
                 self.unpin_all()
                 return False
+        if todo:
+            done, secs = self.pinned_s
+            self.pinned_s = (done + sum(b.nbytes for b in todo), secs + time.perf_counter() - t0)
         return True
+
+    def pin_seconds(self, nbytes: int) -> float:
+        """Seconds page-locking `nbytes` more would take, at the rate measured so far."""
+        done, secs = self.pinned_s
+        return nbytes * secs / done if done and secs > 0 else nbytes / PIN_GUESS
 
     def unpin_all(self) -> None:
         for buf in self.blocks.values():

@@ -5,7 +5,9 @@ fits in that, every block is resident. Otherwise `window - 1` blocks stay reside
 the whole run and the rest stream through a ring of `prefetch + 1` slots (the block
 computing plus `prefetch` copies in flight), so each step copies only the streamed
 blocks (DESIGN.md, "Residency"). Streamed blocks are spread evenly through the model
-so that every copy has resident compute around it to hide under.
+so that every copy has resident compute around it to hide under. A plan changed mid-run
+(`reshaped`) keeps as many of the blocks already resident as it can, so only the
+difference moves.
 """
 from __future__ import annotations
 
@@ -45,8 +47,45 @@ class ResidencyPlan:
         resident = tuple(i for i in range(num_blocks) if i not in set(streamed))
         return cls(num_blocks, window, prefetch, resident, streamed)
 
+    def reshaped(self, window: int, prefetch: int) -> "ResidencyPlan":
+        """The plan for `window`/`prefetch` nearest this one: the same number of resident
+        blocks as `make` gives, but taken from this plan's resident blocks when shrinking
+        (dropping the one that joins the shortest runs of streamed blocks) and adding to
+        them when growing (in the middle of the longest run), so a re-plan moves only
+        the difference. Runs wrap around: the ring prefetches into the next call."""
+        even = ResidencyPlan.make(self.num_blocks, window, prefetch)
+        if not even.streamed or not self.streamed:
+            return even
+        n, resident = self.num_blocks, set(self.resident)
+        while len(resident) > len(even.resident):
+            resident.remove(min(sorted(resident), key=lambda r: _run_around(n, resident, r)))
+        while len(resident) < len(even.resident):
+            start, length = max(_streamed_runs(n, resident), key=lambda run: run[1])
+            resident.add((start + length // 2) % n)
+        return ResidencyPlan(n, window, prefetch, tuple(sorted(resident)),
+                             tuple(i for i in range(n) if i not in resident))
+
     def describe(self) -> str:
         if not self.streamed:
             return f"all {self.num_blocks} blocks resident"
         return (f"{len(self.resident)} resident + {len(self.streamed)} streamed through "
                 f"{self.ring_slots} slots")
+
+
+def _streamed_runs(n: int, resident: set[int]) -> list[tuple[int, int]]:
+    """(first block, length) of each run of streamed blocks between resident ones, wrapping."""
+    if not resident:
+        return [(0, n)]
+    marks = sorted(resident)
+    return [(r + 1, (nxt - r - 1) % n) for r, nxt in zip(marks, marks[1:] + [marks[0] + n])
+            if (nxt - r - 1) % n]
+
+
+def _run_around(n: int, resident: set[int], r: int) -> int:
+    """Length of the streamed run that dropping resident block `r` would make."""
+    marks = sorted(resident)
+    k = marks.index(r)
+    before, after = marks[k - 1], marks[(k + 1) % len(marks)]
+    if len(marks) == 1:
+        return n
+    return (after - before - 1) % n

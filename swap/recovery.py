@@ -13,6 +13,7 @@ from typing import Callable, TypeVar
 import torch
 
 from .engine import BlockSwapEngine
+from .plan import ResidencyPlan
 
 log = logging.getLogger("ringswap.recovery")
 
@@ -71,10 +72,10 @@ def _give_up(engine: BlockSwapEngine, on_change: Callable[[int, int], None], mes
 
 
 def run_call(engine: BlockSwapEngine, call: Callable[[], T],
-             smaller: Callable[[], tuple[int, int] | None],
+             smaller: Callable[[], ResidencyPlan | None],
              on_change: Callable[[int, int], None]) -> T:
     """Run one model call on an attached engine. On running out of memory: `smaller()` gives
-    the (window, prefetch) to retry with (None: no smaller plan), the engine re-attaches with
+    the plan to retry with (None: no smaller plan), the engine re-attaches with
     it, `on_change(old_bytes, new_bytes)` reports the change of block bytes on the device,
     and the call runs once more. A second failure (or none smaller) detaches the engine and
     raises torch.OutOfMemoryError with what was tried."""
@@ -101,17 +102,17 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
                                     "VRAM held by other programs.")
     held = engine.device_bytes()
     try:
-        engine.reattach(*target)
+        engine.reattach(target)
     except torch.OutOfMemoryError as e:
         reason = str(e).splitlines()[0]
         _give_up(engine, on_change, f"RingSwap: out of memory on {where}, and again re-attaching at window "
-                                    f"{target[0]}: {reason}")
+                                    f"{target.window}: {reason}")
     if cuda:
         torch.cuda.empty_cache()
     on_change(held, engine.device_bytes())
     log.warning("RingSwap: out of memory on %s (%s); retrying this step at window %d, prefetch %d "
                 "(%.2f GB of blocks on the device instead of %.2f GB)",
-                where, reason, target[0], target[1], engine.device_bytes() / GB, held / GB)
+                where, reason, target.window, target.prefetch, engine.device_bytes() / GB, held / GB)
     engine.begin_call()
     engine.att.stats.calls -= 1   # the same call, retried
     peak = CallPeak(att.device) if cuda else None
@@ -124,5 +125,5 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
     except torch.OutOfMemoryError as e:
         reason = str(e).splitlines()[0] if str(e) else "out of memory"
     _give_up(engine, on_change, f"RingSwap: out of memory on {where}, and again after shrinking to window "
-                                f"{target[0]}, prefetch {target[1]}: {reason}. Use a smaller latent (resolution, "
+                                f"{target.window}, prefetch {target.prefetch}: {reason}. Use a smaller latent (resolution, "
                                 "frames, batch), a quantized model, or free VRAM held by other programs.")

@@ -206,6 +206,31 @@ def test_ram_and_experts_are_dimensions_of_the_cells():
     assert "expert switch step 3.50 s; pinned per expert 0.0 / 7.0 GB" in row, row
 
 
+@pytest.mark.parametrize("read, swapped, rss, says", [
+    (0, 0, 20e9, "streamed blocks in RAM: x1.010 home=ram 1.000 (ok <= 1.02)"),
+    (1.9e9, 0, 20e9, "file share read at 1.90 GB/s = 95% of O_DIRECT 2.00 GB/s (ok >= 85%, or hidden: <= 1.02 x "
+                     "home=ram)"),
+    (1.5e9, 3, 33e9, "pages swapped out 3 (MISSED none); RSS peak 33.0 GB (MISSED <= 32 GB given)"),
+])
+def test_home_auto_on_a_smaller_machine_is_held_to_home_ram_and_the_disk(read, swapped, rss, says):
+    """Issue 25: a home=auto cell under a RAM ballast: no swapping and RSS within the RAM given;
+    as fast as home=ram on the whole machine where its streamed blocks fit in RAM, else its file
+    share at >= 85% of the disk's O_DIRECT rate; the expert switch within reading the resident
+    blocks at that rate."""
+    ref = copy.deepcopy(_cell("rs-patch-0.3.75", 24.0))
+    ref.update(config="rs-loader-0.3.75")
+    ref["rows"] = ref["rows"][:1]
+    ref["rows"][0]["s_per_step"] = 1.0
+    auto = copy.deepcopy(ref)
+    auto.update(config="rs-auto-0.3.75", ram_gb=32.0, experts=2, pages_swapped_out=swapped,
+                odirect=[{"threads": 1, "gbps": 1.5}, {"threads": 8, "gbps": 2.0}], file_bytes=40e9)
+    auto["rows"][0].update(s_per_step=1.01, read_bytes_per_step=read * 1.01, rss_peak=rss, switch_step_s=9.0,
+                           plan="29 resident + 11 streamed through 2 slots")
+    line = _line(compare_targets.targets([ref, auto], LINK), "- bf16, 2 experts, RAM 32 GB cfg 1 link full 24 GiB")
+    assert says in line, line
+    assert "expert switch +7.99 s (ok <= 14.50 s: 29 resident blocks at O_DIRECT)" in line, line
+
+
 def test_a_lora_cell_is_its_own_workload_held_to_the_run_without_it():
     plain = copy.deepcopy(_cell("rs-patch-0.33-dyn", 24.0))
     lora = copy.deepcopy(plain)

@@ -75,7 +75,7 @@ def test_every_window_and_prefetch_is_bit_exact(home):
         engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
     for window in range(1, N + 1):
         for prefetch in range(0, 3):
-            engine.attach("cpu", window, prefetch)
+            engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, window, prefetch))
             seen = []
             probes = [b.lin.register_forward_pre_hook(
                 lambda m, a: seen.append(len(engine.blocks_on_device()))) for b in blocks]
@@ -119,7 +119,7 @@ def test_on_land_runs_once_per_landing_before_the_block_computes(home):
     try:
         for window, prefetch in ((1, 0), (2, 1), (3, 2), (N, 1)):
             events.clear()
-            plan = engine.attach("cpu", window, prefetch, on_land=on_land)
+            plan = engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, window, prefetch), on_land=on_land)
             assert sorted(b for e, b in events if e == "fold") == sorted(plan.resident)
             for _ in range(3):
                 assert torch.equal(run(blocks, X), want), (home, window, prefetch)
@@ -137,6 +137,68 @@ def test_on_land_runs_once_per_landing_before_the_block_computes(home):
             p.remove()
 
 
+@pytest.mark.parametrize("home", ["ram", "auto"])
+def test_reattach_keeps_the_resident_blocks_both_plans_share(home):
+    """A mid-run re-plan (reshaped: nearest the attached plan) keeps on the device the
+    resident blocks both plans have: same buffers, not folded again; the blocks that join are
+    placed and folded once; the output stays equal to the doubled model's."""
+    blocks, doubled = make_blocks(), make_blocks()
+    for b in doubled:
+        b.lin.bias.data.mul_(2)
+    want = run(doubled, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
+    bias = next(a.entries[0] for a in engine.states[0].layout.attrs if (a.path, a.name) == ("lin", "bias"))
+    folds = []
+
+    def on_land(block, tensors):
+        tensors[bias].mul_(2)
+        folds.append(block)
+
+    first = engine.attach("cpu", ResidencyPlan.make(N, 4, 1), on_land=on_land)
+    assert torch.equal(run(blocks, X), want)
+    for window, prefetch in ((3, 2), (2, 1), (4, 1)):
+        before = {i: engine.states[i].device_buffer for i in engine.plan.resident}
+        plan = engine.plan.reshaped(window, prefetch)
+        folds.clear()
+        assert engine.reattach(plan, after_oom=False) is plan and engine.plan is plan
+        for i in set(before) & set(plan.resident):
+            assert engine.states[i].device_buffer is before[i]
+        assert sorted(b for b in folds if b in plan.resident) == sorted(set(plan.resident) - set(before))
+        for _ in range(2):
+            assert torch.equal(run(blocks, X), want), (home, window, prefetch)
+    assert engine.end_run().replans[0] == ((first.window, first.prefetch), (3, 2))
+    engine.detach()
+    assert all(s.device_buffer is None for s in engine.states)
+
+
+def test_reshaped_plan_moves_only_the_difference():
+    """reshaped: as many resident blocks as make gives; shrinking keeps a subset of the resident
+    blocks, growing a superset, and both stay spread (no run of streamed blocks longer than
+    twice make's)."""
+    for n in (12, 40):
+        for window in range(1, n):
+            for new in range(1, n):
+                old, even = ResidencyPlan.make(n, window, 1), ResidencyPlan.make(n, new, 2)
+                got = old.reshaped(new, 2)
+                assert (got.window, got.prefetch, len(got.resident)) == (new, 2, len(even.resident))
+                assert sorted(got.resident + got.streamed) == list(range(n))
+                if not old.streamed or not even.streamed:
+                    assert got == even
+                    continue
+                small, large = sorted((set(old.resident), set(got.resident)), key=len)
+                assert small <= large, (n, window, new)
+                assert longest_streamed_run(got) <= 2 * longest_streamed_run(even), (n, window, new)
+
+
+def longest_streamed_run(plan):
+    """The longest run of streamed blocks, wrapping into the next call."""
+    marks = sorted(plan.resident)
+    if not marks:
+        return plan.num_blocks
+    return max((b - a - 1) % plan.num_blocks for a, b in zip(marks, marks[1:] + [marks[0] + plan.num_blocks]))
+
+
 @pytest.mark.parametrize("share", ["none", "alternate", "all"])
 def test_auto_home_holds_only_the_streamed_blocks_it_is_given(share):
     """home=auto: the streamed blocks named RAM homes live in the pool, the other streamed
@@ -152,7 +214,7 @@ def test_auto_home_holds_only_the_streamed_blocks_it_is_given(share):
             plan = ResidencyPlan.make(N, window, prefetch)
             ram = {"none": [], "alternate": list(plan.streamed[::2]), "all": None}[share]
             reads = src.reads   # before attach: it primes the ring (reads counted when they land)
-            engine.attach("cpu", window, prefetch, ram_blocks=ram)
+            engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, window, prefetch), ram_blocks=ram)
             want_ram = set(plan.streamed) if ram is None else set(ram)
             assert set(engine.pool.blocks) == want_ram, (window, prefetch)
             assert engine.att.ram_homes == want_ram
@@ -171,30 +233,30 @@ def test_auto_home_holds_only_the_streamed_blocks_it_is_given(share):
                 assert on_host == (i in want_ram), i
     # the plan shrinks: blocks resident before come back from the file (or RAM where they have a home)
     engine.release_home()
-    engine.attach("cpu", N, 1)
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, N, 1))
     assert engine.read_back[0] == N * engine.states[0].layout.nbytes and not engine.pool.blocks
     engine.detach()
-    engine.attach("cpu", 3, 1, ram_blocks=[])
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), ram_blocks=[])
     assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
     seen = []
-    engine.attach("cpu", 3, 1, progress=lambda done, total: seen.append((done, total)))
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), progress=lambda done, total: seen.append((done, total)))
     nbytes = (2 + 5) * engine.states[0].layout.nbytes   # streamed blocks now get RAM homes: read back once
     assert engine.read_back[0] == nbytes
     assert seen and seen[-1] == (nbytes, nbytes) and all(t == nbytes for _, t in seen), seen
     assert [d for d, _ in seen] == sorted(d for d, _ in seen), "progress went back"
     engine.detach()
     seen.clear()
-    engine.attach("cpu", 3, 1, progress=lambda done, total: seen.append((done, total)))
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), progress=lambda done, total: seen.append((done, total)))
     assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes and seen[-1][0] == seen[-1][1]
     engine.detach()
-    engine.attach("cpu", 3, 1)
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1))
     seen.clear()
-    engine.attach("cpu", 3, 1, progress=lambda done, total: seen.append((done, total)))
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), progress=lambda done, total: seen.append((done, total)))
     assert not seen, "the same attachment again reads nothing and reports nothing"
     engine.detach()
-    engine.attach("cpu", 3, 1, ram_blocks=[])   # same plan, homes dropped: only the resident read
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), ram_blocks=[])   # same plan, homes dropped: only the resident read
     assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes and not engine.pool.blocks
     engine.detach()
 
@@ -208,10 +270,10 @@ def test_auto_home_read_failure_leaves_nothing_half_loaded():
     engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
     src.broken = True
     with pytest.raises(OSError, match="file ended early"):
-        engine.attach("cpu", 2, 1)
+        engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
     assert not engine.pool.blocks and engine.att is None
     src.broken = False
-    engine.attach("cpu", 2, 1)
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
 
@@ -229,7 +291,7 @@ def test_exception_mid_block_then_next_run_is_exact():
     blocks = make_blocks()
     ref = run(blocks, X)
     engine = BlockSwapEngine(list(blocks))
-    engine.attach("cpu", 2, 1)
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
 
     def boom(module, args):
         raise KeyboardInterrupt("interrupted")
@@ -247,7 +309,7 @@ def test_disk_read_failure_is_reported_and_recoverable():
     ref = run(blocks, X)
     src = FileLike(blocks)
     engine = BlockSwapEngine(list(blocks), read_block=src.read, home="disk", disk_workers=2)
-    engine.attach("cpu", 2, 1)
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
     assert torch.equal(run(blocks, X), ref)
     src.broken = True
     with pytest.raises(OSError, match="file ended early"):
@@ -256,7 +318,7 @@ def test_disk_read_failure_is_reported_and_recoverable():
     engine.end_run()
     engine.detach()
     src.broken = False
-    engine.attach("cpu", 2, 1)
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
 
@@ -269,7 +331,7 @@ def test_disk_home_with_one_staging_buffer_and_slow_reads():
     src = FileLike(blocks, delay=0.003)
     engine = BlockSwapEngine(list(blocks), read_block=src.read, home="disk", disk_workers=1)
     for prefetch in (1, 2):
-        engine.attach("cpu", 1, prefetch)
+        engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 1, prefetch))
         for _ in range(6):
             assert torch.equal(run(blocks, X), ref), prefetch
         engine.end_run()

@@ -16,6 +16,7 @@ import nodes as comfy_nodes
 
 from ringswap.loaders import run_plan
 from ringswap.nodes.patch import RingSwapPatch
+from ringswap.swap import ResidencyPlan
 from ringswap.swap.planner import NotEnoughVRAM
 from ringswap.swap.recovery import inject_oom
 from wan_model import conditioning, latent, load_stock, tiny_wan
@@ -242,8 +243,9 @@ def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
     """A first prompt plans without rates. Early in the run, the plan the measured compute time
     and link rate choose is taken where it pays back within the run (here 12 equal
     blocks, room for 4: window 3 prefetch 1 stalls on adjacent streamed blocks, window 2
-    prefetch 2 does not); the run stays bit-exact and its lines say so. Too few steps left
-    to pay for placing the blocks again: no re-plan."""
+    prefetch 2 does not); the run stays bit-exact and its lines say so. The blocks both plans
+    keep resident stay on the device, so a re-plan that only drops one places nothing and
+    pays back with two calls left."""
     import comfy.sample
     steps = 20
     noise = torch.randn(1, 16, 2, 8, 8, generator=torch.Generator().manual_seed(3))
@@ -284,9 +286,16 @@ def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
     comfy.model_management.unload_all_models()
     short = patched(stock12, 0, 1, (inp.nonblock_bytes + inp.activation_bytes + 4 * block + block // 2) / GB)
 
-    def late(i, *_):   # 2 calls left save 0.05 s; placing window 2's resident block takes 0.1 s
+    def late(i, *_):   # 2 calls left save 0.05 s: enough, as dropping a resident block places nothing
         if i == 0:
+            engine = short.swap_engine
+            kept = engine.states[11].device_buffer
+            assert engine.plan.resident == (5, 11)
+            assert run_plan.place_seconds(engine, ResidencyPlan.make(12, 2, 2), None, rates[1]) == 0
+            grown = ResidencyPlan.make(12, 4, 1)   # (3, 7, 11): two blocks to copy from RAM
+            assert run_plan.place_seconds(engine, grown, None, rates[1]) == pytest.approx(2 * block / rates[1])
             seen.append(run_plan.replan_by_rates(short, lambda old, new: None, rates))
+            assert engine.states[11].device_buffer is kept   # still on the device, not placed again
     assert torch.equal(sample(short, late, steps=3), ref3)
-    assert seen[-1] is None and short.swap_engine.plan.window == 3
+    assert seen[-1] is not None and short.swap_engine.plan.window == 2
     comfy.model_management.unload_all_models()

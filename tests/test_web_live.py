@@ -13,7 +13,7 @@ from torch import nn
 
 from ringswap.loaders import live_feed
 from ringswap.loaders.live_payload import CODES, block_map, live_payload
-from ringswap.swap import BlockSwapEngine
+from ringswap.swap import BlockSwapEngine, ResidencyPlan
 
 BLOCKS = 200
 
@@ -23,7 +23,7 @@ def engine():
     torch.manual_seed(0)
     blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(BLOCKS)])
     e = BlockSwapEngine(list(blocks))
-    e.attach("cpu", 20, 2)
+    e.attach("cpu", ResidencyPlan.make(e.num_blocks, 20, 2))
     e.modules = blocks
     yield e
     e.release_home()
