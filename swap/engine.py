@@ -123,8 +123,8 @@ class BlockSwapEngine:
         """The blocks in `keep` have an exact-size host home holding their weights (home=ram:
         all, from the reader or the modules' own tensors; auto: read back from the file).
         Returns the bytes read from the file."""
-        if self.home == "ram" and self.read_block is None:
-            home.capture(self.states, self.pool)
+        if self.home == "ram" and self.read_block is None:   # a resident block kept by reattach stays put
+            home.capture([s for s in self.states if s.device_buffer is None], self.pool)
             return 0
         return self._read_homes(sorted(keep), progress)
 

@@ -137,7 +137,7 @@ def test_on_land_runs_once_per_landing_before_the_block_computes(home):
             p.remove()
 
 
-@pytest.mark.parametrize("home", ["ram", "auto"])
+@pytest.mark.parametrize("home", ["module", "ram", "auto"])
 def test_reattach_keeps_the_resident_blocks_both_plans_share(home):
     """A mid-run re-plan (reshaped: nearest the attached plan) keeps on the device the
     resident blocks both plans have: same buffers, not folded again; the blocks that join are
@@ -147,7 +147,8 @@ def test_reattach_keeps_the_resident_blocks_both_plans_share(home):
         b.lin.bias.data.mul_(2)
     want = run(doubled, X)
     src = FileLike(blocks)
-    engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
+    engine = BlockSwapEngine(list(blocks), read_block=None if home == "module" else src.read,
+                             home="ram" if home == "module" else home, disk_workers=2)
     bias = next(a.entries[0] for a in engine.states[0].layout.attrs if (a.path, a.name) == ("lin", "bias"))
     folds = []
 
@@ -162,8 +163,10 @@ def test_reattach_keeps_the_resident_blocks_both_plans_share(home):
         plan = engine.plan.reshaped(window, prefetch)
         folds.clear()
         assert engine.reattach(plan, after_oom=False) is plan and engine.plan is plan
-        for i in set(before) & set(plan.resident):
-            assert engine.states[i].device_buffer is before[i]
+        for i in set(before) & set(plan.resident):   # still computing from its device buffer
+            s = engine.states[i]
+            assert s.device_buffer is before[i]
+            assert s.binding.current()[0].data_ptr() == s.device_buffer.data_ptr()
         assert sorted(b for b in folds if b in plan.resident) == sorted(set(plan.resident) - set(before))
         for _ in range(2):
             assert torch.equal(run(blocks, X), want), (home, window, prefetch)
