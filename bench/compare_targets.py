@@ -103,13 +103,23 @@ def _ram_targets(speeds: dict, c: dict, r: dict) -> list[str]:
         ok = "ok" if rate >= 0.85 * best or hidden else "MISSED"
         out.append(f"file share read at {rate:.2f} GB/s = {100 * rate / best:.0f}% of O_DIRECT {best:.2f} GB/s "
                    f"({ok} >= 85%{', or hidden: <= 1.02 x home=ram' if hidden else ''})")
-    n = _blocks(r.get("plan"))
-    if r.get("switch_step_s") is not None and n and best and c.get("file_bytes"):
-        bound = n[0] * c["file_bytes"] / sum(n) / 1e9 / best
+    on_gpu = _on_gpu(c, r)
+    if r.get("switch_step_s") is not None and on_gpu and best:
+        bound = on_gpu[1] / 1e9 / best
         extra = r["switch_step_s"] - r["s_per_step"]
         out.append(f"expert switch +{extra:.2f} s ({'ok' if extra <= bound else 'MISSED'} <= {bound:.2f} s: "
-                   f"{n[0]} resident blocks at O_DIRECT)")
+                   f"{on_gpu[0]} resident blocks at O_DIRECT)")
     return out
+
+
+def _on_gpu(c: dict, r: dict) -> tuple[int, float] | None:
+    """(resident blocks, their bytes): from the home=auto split of the plan line, else the plan."""
+    for ln in reversed(r.get("log", [])):
+        m = re.search(r"home auto: (\d+) blocks \(([\d.]+) GB\) on the GPU", ln)
+        if m:
+            return int(m[1]), float(m[2]) * 1e9
+    n = _blocks(r.get("plan"))
+    return (n[0], n[0] * c["file_bytes"] / sum(n)) if n and c.get("file_bytes") else None
 
 
 def _resident_targets(c: dict, r: dict, resident: float | None, rate: float | None) -> str:
