@@ -173,6 +173,7 @@ class WindowPlan:
         d = {k: v for k, v in asdict(i).items() if k != "block_sizes"}
         d.update(num_blocks=r.num_blocks, window=r.window, prefetch=r.prefetch, automatic=self.automatic,
                  resident=len(r.resident), streamed=len(r.streamed), ring_slots=r.ring_slots,
+                 resident_blocks=list(r.resident),
                  block_bytes_on_device=self.block_bytes_on_device, room_bytes=i.room_bytes,
                  over_bytes=self.over_bytes, streamed_bytes=self.streamed_bytes, copy_s=self.copy_s,
                  bound=self.bound, batched=self.batched, calls_per_step=i.calls_per_step, choice=self.choice,

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import COMFY, CUDA, SERVER_ARGS
+from ringswap.swap import ResidencyPlan
 from support.comfy_server import ComfyServer
 from support.wan_files import write_tiny_wan
 from support.workflows import build_workflow
@@ -77,6 +78,9 @@ def test_plan_for_a_listed_model(server):
     budget = (plan["nonblock_bytes"] + plan["activation_bytes"] + 3.5 * block) / 1e9
     _, budgeted = get(server, model=UNET, width=64, height=64, frames=5, vram_budget_gb=budget)
     assert (budgeted["window"], budgeted["prefetch"], budgeted["ring_slots"]) == (2, 1, 2), budgeted["line"]
+    # the block indices the browser draws (it copies no formula): the plan's own resident blocks
+    assert budgeted["resident_blocks"] == list(ResidencyPlan.make(BLOCKS, 2, 1).resident)
+    assert plan["resident_blocks"] == list(range(BLOCKS))
     _, over = get(server, model=UNET, width=64, height=64, frames=5, vram_budget_gb=budget, window=3)
     assert over["over_bytes"] > 0 and "over the room for blocks" in over["line"]
     # cond + uncond (conds=2): the plan for their batched call, the same budget, fewer blocks

@@ -96,7 +96,7 @@ function mapLine(v) {
 
 function refresh(node) {
   const v = node.ringswap;
-  if (!v.live && v.plan && !v.plan.error) v.states = plannedStates(v.plan.num_blocks, v.plan.window, v.plan.prefetch, away(node));
+  if (!v.live && v.plan && !v.plan.error) v.states = plannedStates(v.plan.num_blocks, v.plan.resident_blocks, away(node));
   v.lines = [mapLine(v), runLine(v.run), planLine(v.plan)].filter(Boolean);
   const want = node.computeSize?.()[1];
   if (want && node.size[1] < want) node.setSize([node.size[0], want]);

@@ -4,14 +4,12 @@ export const COLORS = { G: "#2fb344", R: "#2f7ff5", C: "#f5a524", H: "#6b7280", 
 export const NAMES = { G: "on GPU", R: "ring", C: "copying", H: "RAM", D: "disk" };
 const CELL = 9, GAP = 1, MARGIN = 8, LINE = 14;
 
-// The states the plan implies before a run: ResidencyPlan.make's even spread of streamed blocks.
-export function plannedStates(blocks, window, prefetch, away) {
-  if (!blocks || !window) return "";
-  if (window + prefetch >= blocks) return "G".repeat(blocks);
-  const n = blocks - (window - 1), streamed = new Set();
-  for (let i = 0; i < n; i++) streamed.add(Math.floor((i * blocks) / n));
+// The states the plan implies before a run: its resident blocks (the plan's indices) on the GPU.
+export function plannedStates(blocks, resident, away) {
+  if (!blocks || !resident) return "";
+  const onGpu = new Set(resident);
   let out = "";
-  for (let i = 0; i < blocks; i++) out += streamed.has(i) ? away : "G";
+  for (let i = 0; i < blocks; i++) out += onGpu.has(i) ? "G" : away;
   return out;
 }
 
