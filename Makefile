@@ -18,7 +18,7 @@ test: env
 	./scripts/test_all.sh
 
 test-gpu: env
-	$(PY) -m pytest -q -m gpu tests
+	$(PY) -m pytest -q -m gpu tests/comfyui
 
 device-wheels:
 	./scripts/prepare_device_wheels.sh

@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
+import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path)
 from comfy_start import RingSwapLines, start_comfy  # noqa: E402
 from model_file import wan14b_file  # noqa: E402
 

@@ -31,7 +31,7 @@ def start_comfy(device: str, dynamic: bool, disable_dynamic: bool = False):
     if disable_dynamic and hasattr(args, "disable_dynamic_vram"):
         args.disable_dynamic_vram = True
     if dynamic:
-        import dynamic_vram   # tests/support: what ComfyUI 0.33's main.py does
+        import dynamic_vram   # tests/comfyui/support: what ComfyUI 0.33's main.py does
         dynamic_vram.init_library()
     import comfy.model_management as mm
     import comfy.sample  # noqa: F401  (imported before enable(), as main.py has them)

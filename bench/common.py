@@ -3,7 +3,7 @@ sampling, the ballast process that emulates a smaller GPU, inputs and step timin
 environment line, JSON/markdown output, and child processes.
 
 Importing it puts ComfyUI (RINGSWAP_COMFYUI_DIR, else .comfyui), its custom_nodes (this
-repo as `ringswap`) and tests/support on sys.path; it imports no ComfyUI module itself.
+repo as `ringswap`) and tests/comfyui/support on sys.path; it imports no ComfyUI module itself.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMFY = os.environ.get("RINGSWAP_COMFYUI_DIR") or os.path.join(REPO, ".comfyui")
 sys.path.insert(0, COMFY)
 sys.path.insert(0, os.path.join(COMFY, "custom_nodes"))
-sys.path.insert(0, os.path.join(REPO, "tests", "support"))
+sys.path.insert(0, os.path.join(REPO, "tests", "comfyui", "support"))
 
 # latent (frames, height, width) for a token count: tokens = f * (h/2) * (w/2)
 SHAPES = {32760: (21, 60, 104), 7800: (5, 60, 104), 75600: (21, 90, 160), 4096: (1, 128, 128)}

@@ -32,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
+import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path)
 from compare_child import CONFIGS, child  # noqa: E402
 from link_load import LinkLoad  # noqa: E402
 from ram_ballast import RamBallast, swapped_out_pages  # noqa: E402

@@ -57,7 +57,7 @@ part() {   # part NAME SECONDS COMFY DYN COMMAND...   (COMFY: 0.3.75 or 0.33; DY
   local rc=$?
   summary+=("$name: rc=$rc in $((SECONDS - t0)) s$([ $rc = 97 ] && echo ' (setup failed, see its log)')")
 }
-pytest=(python3 -m pytest -q -p no:cacheprovider tests)
+pytest=(python3 -m pytest -q -p no:cacheprovider tests/comfyui)
 compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s inside the part's limit
   local name=$1 secs=$2; shift 2
   part "compare_$name" "$secs" 0.3.75 "" python3 bench/compare.py --budget-s $((secs - 25)) \

@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
+import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path)
 from model_file import wan14b_file  # noqa: E402
 
 CONFIGS = ("stock", "patch", "loader")
@@ -36,7 +36,7 @@ def child(a) -> dict:
     from comfy.cli_args import args
     if a.device == "cpu":
         args.cpu = True
-    import dynamic_vram   # tests/support: what ComfyUI 0.33's main.py does
+    import dynamic_vram   # tests/comfyui/support: what ComfyUI 0.33's main.py does
     dynamic_vram.init_library()
     import comfy.sd
     dynamic_vram.enable()

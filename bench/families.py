@@ -27,11 +27,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import common  # noqa: E402  (ComfyUI and tests/support on sys.path, ballast)
+import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path, ballast)
 from comfy_start import RingSwapLines, start_comfy  # noqa: E402
 from io_rates import h2d_rate  # noqa: E402
 
-# name -> (family in tests/support/family_models.py at family_shapes.REAL widths, its block counts,
+# name -> (family in tests/comfyui/support/family_models.py at family_shapes.REAL widths, its block counts,
 #          block counts with --small (tiny widths), tokens, cap GiB, target)
 SHAPES = {
     "qwen_image": ("qwen_image", dict(num_layers=60), dict(num_layers=6), 4096, 12.0, "link"),
@@ -43,7 +43,7 @@ SHAPES = {
 def build(name: str, small: bool, dev: torch.device):
     """A ModelPatcher around ComfyUI's own model of this family and shape (bf16 on CUDA, random
     weights drawn on `dev`), and its bytes."""
-    sys.path.insert(0, os.path.join(common.REPO, "tests"))
+    sys.path.insert(0, os.path.join(common.REPO, "tests", "comfyui"))
     from support import family_models as fm
     from support import family_shapes
     fam_name, blocks, tiny_blocks, *_ = SHAPES[name]

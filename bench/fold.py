@@ -101,7 +101,7 @@ def main() -> None:
         kernels.TILES[kind] = tuple(int(x) for x in cfg.split(","))
     print(f"fused kernel tiles: {kernels.TILES}", flush=True)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    import quant_files as qf   # tests/support, on sys.path through common.py
+    import quant_files as qf   # tests/comfyui/support, on sys.path through common.py
     model_file.install_nvfp4_fallback(qf)
     template = model_file.wan_template(a.blocks, a.dim, a.ffn)
     lora = rank_lora(a.blocks, a.dim, a.ffn, a.rank)

@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
+import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path)
 from model_file import wan14b_file  # noqa: E402
 
 CAST_OPS = ("aten::to", "aten::_to_copy", "aten::copy_", "aten::type_as")

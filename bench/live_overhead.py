@@ -27,7 +27,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import common  # noqa: E402  (ComfyUI and tests/support on sys.path)
+import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path)
 from comfy_server import ComfyServer  # noqa: E402
 from wan_files import write_tiny_wan  # noqa: E402
 from workflows import build_workflow  # noqa: E402

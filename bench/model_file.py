@@ -1,7 +1,7 @@
 """Wan-2.1-14B-shaped safetensors files with random weights, written block by block.
 
 The keys of ComfyUI's WanModel (t2v) state dict, in the on-disk conventions of
-tests/support/quant_files.py (bf16, scaled fp8, nvfp4, ...); weights generated on the
+tests/comfyui/support/quant_files.py (bf16, scaled fp8, nvfp4, ...); weights generated on the
 device block by block and written at their offsets of a header computed up front
 (tensor order as safetensors' save_file would use: dtype, then name), so the whole model
 is never in RAM; safetensors.safe_open checks the result. Used by every benchmark here.

@@ -68,7 +68,7 @@ def measure(patcher, label: str, top: int = 22) -> None:
 
 
 def main() -> None:
-    import quant_files as qf   # tests/support, on sys.path through common.py
+    import quant_files as qf   # tests/comfyui/support, on sys.path through common.py
     model_file.install_nvfp4_fallback(qf)
     template = model_file.wan_template(LAYERS, DIM, FFN)
     for fmt in sys.argv[1:] or ["nvfp4"]:

@@ -3,7 +3,7 @@
 Issue 3's benchmark. For each format in --formats (default bf16, scaled_fp8, nvfp4):
   1. write a Wan 2.1 14B t2v-shaped diffusion-model file (40 blocks, dim 5120, ffn 13824,
      40 heads; the keys of ComfyUI's WanModel state dict; random weights, std 0.02, norm
-     weights around 1) in the on-disk conventions of tests/support/quant_files.py. The
+     weights around 1) in the on-disk conventions of tests/comfyui/support/quant_files.py. The
      weights are generated on the GPU block by block and written at their offsets of a
      header computed up front (tensor order as safetensors' save_file would use: dtype,
      then name), so the whole model is never in RAM; safetensors.safe_open checks it;

@@ -22,7 +22,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Import the helpers as top-level "support" (tests/ is not a package, and ComfyUI's own
 # folder has a "tests" package that would shadow "tests.support").
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(REPO, "tests", "comfyui"))
 
 RUN_MARK = "RingSwap run:"
 

@@ -1,5 +1,5 @@
 # Source this from the repo root at the start of every command on the offline GPU
-# machine:   source scripts/device_setup.sh && python3 -m pytest -q -m gpu tests
+# machine:   source scripts/device_setup.sh && python3 -m pytest -q -m gpu tests/comfyui
 # (the device call must carry `.whl`, filled here by scripts/prepare_device_wheels.sh).
 #
 # It installs .whl/*.whl into /tmp/site (PYTHONPATH), extracts ComfyUI 0.3.75 from

@@ -185,7 +185,7 @@ T=.comfyui-0.33-device
 TARBALL="${RINGSWAP_COMFYUI_033_TARBALL:-$root/../shared/comfyui/ComfyUI-0.33.0.tar.gz}"
 # What goes (relative to the tree; globs expand there). Part of the stamp: a change rebuilds.
 STRIP="tests tests-unit blueprints comfy/text_encoders/*_tokenizer extra_model_paths.yaml"
-# `import nodes` / `comfy.sd` as tests/conftest.py and main.py do, in the local venv
+# `import nodes` / `comfy.sd` as tests/comfyui/conftest.py and main.py do, in the local venv
 # (scripts/setup_env.sh installs 0.33's packages there); skipped with a note without it.
 CHECK_PY="${RINGSWAP_CHECK_PYTHON:-$root/.venv/bin/python}"
 import_check() {  # import_check TREE

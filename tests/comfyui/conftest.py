@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMFY = os.environ.get("RINGSWAP_COMFYUI_DIR") or os.path.join(REPO, ".comfyui")
 if not os.path.isfile(os.path.join(COMFY, "main.py")):
     raise RuntimeError(f"no ComfyUI at {COMFY}: run `make env` (or set RINGSWAP_COMFYUI_DIR)")

@@ -258,7 +258,7 @@ def test_disk_home_rss_stays_within_bound(big_wan, tmp_path, experts):
            str(RSS_WINDOW), str(RSS_PREFETCH), str(RSS_WORKERS), str(RSS_RUNS), str(experts)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RSS_RESULT ")]
     assert p.returncode == 0 and lines, \
         f"child failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.append(BENCH)   # last: bench/dynamic_vram.py must not shadow tests/support's
 
 import compare_table  # noqa: E402
