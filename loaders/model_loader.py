@@ -26,7 +26,8 @@ from .block_source import BlockSource
 from .safetensors_index import SafetensorsIndex
 from .skeleton import build_skeleton
 from .block_lists import ALL_NAMES, find_block_lists
-from .swap_patcher import SwapModelPatcher, SwapSettings, SwapState
+from .swap_patcher import SwapModelPatcher, SwapSettings
+from .swap_state import SwapState
 
 log = logging.getLogger("ringswap.model_loader")
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..lora.fold import BlockFolder
     from ..swap.planner import WindowPlan
     from .run_plan import RunRequest
-    from .swap_patcher import SwapState
+    from .swap_state import SwapState
 
 
 @dataclass

@@ -17,18 +17,18 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 import comfy.model_management
 import comfy.model_patcher
 
+from ..lora.fold import block_folder
 from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ..swap.host_pool import set_pin_budget
 from ..swap.planner import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
 from . import live_feed, ram_room, run_plan
-from .block_lists import ALL_NAMES, find_block_lists
-from .run_state import RunState, swap_state_on
+from .run_state import RunState
+from .swap_state import SwapState
 
 log = logging.getLogger("ringswap.patcher")
 
@@ -55,58 +55,6 @@ class SwapSettings:
             raise ValueError(f"RingSwap: ram_budget_gb must be 0 (what is available) or more, got {self.ram_budget_gb}")
         if self.pin_memory not in PIN_MODES:
             raise ValueError(f"RingSwap: pin_memory must be one of {PIN_MODES}, got {self.pin_memory!r}")
-
-
-class SwapState:
-    """What all patchers of one diffusion model share: the engine and block names."""
-
-    def __init__(self, diffusion_model: nn.Module, engine: BlockSwapEngine | None = None):
-        lists = find_block_lists(diffusion_model)
-        if not lists:
-            raise ValueError(
-                f"RingSwap: {type(diffusion_model).__name__} has no transformer block list "
-                f"(looked for a non-empty ModuleList named one of: {', '.join(ALL_NAMES)}); "
-                "this model cannot be block-swapped")
-        self.list_names = [n for n, _ in lists]
-        # ComfyUI's weight-key prefix of each engine block, e.g. "diffusion_model.blocks.7."
-        self.block_keys = [f"diffusion_model.{n}.{j}." for n, blocks in lists for j in range(len(blocks))]
-        self.block_index = {k: i for i, k in enumerate(self.block_keys)}
-        self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
-        self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
-        self.measured: dict = {}   # (latent shape, conds a call) -> run_plan.Measured (activation peak, compute time)
-        self.nonblock_bytes = sum(
-            t.numel() * t.element_size()
-            for n, t in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers())
-            if not any(n.startswith(p[len("diffusion_model."):]) for p in self.prefixes))
-
-        _warn_unlisted(diffusion_model, self.list_names)
-
-    @classmethod
-    def install(cls, diffusion_model: nn.Module, engine: BlockSwapEngine) -> "SwapState":
-        """Use `engine` (e.g. one that reads blocks from a file) for this model."""
-        state = cls(diffusion_model, engine)
-        diffusion_model.ringswap_state = state
-        return state
-
-    @classmethod
-    def of(cls, patcher: comfy.model_patcher.ModelPatcher) -> "SwapState":
-        dm = patcher.model.diffusion_model
-        state = swap_state_on(dm)
-        if state is None:
-            state = cls(dm)
-            dm.ringswap_state = state
-        return state
-
-
-def _warn_unlisted(diffusion_model: nn.Module, listed: list[str]) -> None:
-    """Say so when a ModuleList that is not swapped holds a tenth of the model or more."""
-    def nbytes(m):
-        return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
-    total = nbytes(diffusion_model)
-    for name, child in diffusion_model.named_children():
-        if isinstance(child, nn.ModuleList) and name not in listed and total and nbytes(child) >= total / 10:
-            log.warning("RingSwap: %s.%s (%d modules, %.2f GB) is not a block list RingSwap swaps; it stays "
-                        "on the GPU", type(diffusion_model).__name__, name, len(child), nbytes(child) / 1e9)
 
 
 class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
@@ -163,6 +111,11 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     @property
     def swap_state(self) -> SwapState:
         return SwapState.of(self)
+
+    @property
+    def swapped_blocks(self) -> SwapState:
+        """This model's blocks as lora.blocks.SwappedBlocks (what the LoRA checks read)."""
+        return self.swap_state
 
     @property
     def swap_engine(self) -> BlockSwapEngine:
@@ -232,10 +185,10 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         Cached per patches_uuid and device, so re-attaching with unchanged patches keeps the ring."""
         if not self.patches:
             return None
-        from ..lora.fold import block_folder
         run, key = self.ringswap_run, (self.patches_uuid, device)
         if run.folder_key != key:
-            run.folder, run.folder_key = block_folder(self, features.lora_patch_dtype(device)), key
+            run.folder = block_folder(self.swap_state, self.patches, features.lora_patch_dtype(device))
+            run.folder_key = key
         return run.folder
 
     def model_size(self):

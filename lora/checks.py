@@ -7,7 +7,6 @@ Also where a patch key lands in a RingSwap model: its block, its tensor, its log
 from __future__ import annotations
 
 import logging
-import re
 from contextlib import contextmanager
 from typing import Callable
 
@@ -16,7 +15,8 @@ import torch
 import comfy.lora
 import comfy.utils
 
-_BLOCK_KEY = re.compile(r"^(.*?\.\d+\.)(.+)$")
+from .blocks import swapped_blocks
+
 
 
 # ----- what a patch list does -------------------------------------------------------------
@@ -136,21 +136,6 @@ def attr_shape(layout, attr) -> tuple[int, ...]:
     return tuple(attr.codec.join(attr.spec, meta_tensors(layout.entries, attr.entries)).shape)
 
 
-def _swap_state(patcher):
-    try:
-        return patcher.swap_state if hasattr(type(patcher), "swap_state") else None
-    except Exception:   # noqa: BLE001
-        return None
-
-
-def block_of(state, key: str) -> tuple[int, str] | None:
-    m = _BLOCK_KEY.match(key)
-    if m is None:
-        return None
-    b = state.block_index.get(m.group(1))
-    return None if b is None else (b, m.group(2))
-
-
 def attr_index(layout) -> dict[str, int]:
     return {(a.path + "." if a.path else "") + a.name: i for i, a in enumerate(layout.attrs)}
 
@@ -158,13 +143,12 @@ def attr_index(layout) -> dict[str, int]:
 def weight_shape(patcher, key: str) -> tuple[int, ...] | None:
     """The (logical) shape of the model weight `key`; for blocks of a RingSwap model from
     the block layout (their modules may hold placeholders)."""
-    state = _swap_state(patcher)
-    if state is not None:
-        hit = block_of(state, key)
-        if hit is not None:
-            layout = state.engine.states[hit[0]].layout
-            i = attr_index(layout).get(hit[1])
-            return None if i is None else attr_shape(layout, layout.attrs[i])
+    blocks = swapped_blocks(patcher)
+    hit = blocks.block_of(key) if blocks is not None else None
+    if hit is not None:
+        layout = blocks.block(hit[0])[1]
+        i = attr_index(layout).get(hit[1])
+        return None if i is None else attr_shape(layout, layout.attrs[i])
     try:
         return tuple(comfy.utils.get_attr(patcher.model, key).shape)
     except AttributeError:

@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from .checks import attr_index, attr_shape, block_of, check_patches, effective_patches
+from .blocks import SwappedBlocks
+from .checks import attr_index, attr_shape, check_patches, effective_patches
 from .fold_ops import FoldOp, make_op
 
 log = logging.getLogger("ringswap.fold")
@@ -63,26 +64,24 @@ def _comfyui_patches(block, attr) -> bool:
     return all(name in own for name, _ in module.named_parameters())
 
 
-def block_folder(patcher, patch_dtype: torch.dtype = torch.float32) -> FoldFn | None:
-    """The per-landing fold of `patcher`'s block patches, or None if no block weight is
-    patched. `patch_dtype`: what ComfyUI patches plain weights in on the fold's device
-    (float32, or 0.33's `lora_compute_dtype`). Raises ValueError for a patch that cannot
-    apply (e.g. a shape mismatch)."""
-    state = patcher.swap_state
-    engine = state.engine
+def block_folder(blocks: SwappedBlocks, patches_by_key: dict,
+                 patch_dtype: torch.dtype = torch.float32) -> FoldFn | None:
+    """The per-landing fold of the block patches among `patches_by_key` (a patcher's
+    `patches`), or None if no block weight is patched. `patch_dtype`: what ComfyUI patches
+    plain weights in on the fold's device (float32, or 0.33's `lora_compute_dtype`). Raises
+    ValueError for a patch that cannot apply (e.g. a shape mismatch)."""
     ops: dict[int, list[FoldOp]] = {}
     index_cache: dict[int, dict[str, int]] = {}
     left_out: list[str] = []
-    for key, plist in patcher.patches.items():
-        hit = block_of(state, key)
+    for key, plist in patches_by_key.items():
+        hit = blocks.block_of(key)
         if hit is None:
             continue
         patches = effective_patches(plist)
         if not patches:
             continue
         b, sub = hit
-        st = engine.states[b]
-        layout = st.layout
+        module, layout = blocks.block(b)
         names = index_cache.get(id(layout))
         if names is None:
             names = index_cache[id(layout)] = attr_index(layout)
@@ -90,7 +89,7 @@ def block_folder(patcher, patch_dtype: torch.dtype = torch.float32) -> FoldFn | 
         if i is None:
             raise ValueError(f"RingSwap LoRA: '{key}' is patched but block {b} has no tensor '{sub}'")
         attr = layout.attrs[i]
-        if not _comfyui_patches(st.block, attr):
+        if not _comfyui_patches(module, attr):
             left_out.append(key)
             continue
         if all(p[3] is None for p in patches):

@@ -146,6 +146,22 @@ def apply_node(model, name, strength=1.0):
 
 
 # ----- every block gets its LoRA, at every window / prefetch / home ------------------------
+def test_lora_finds_blocks_through_the_declared_interface(stock, swapped):
+    """lora.blocks.SwappedBlocks is what the LoRA side reads of a block-swapped model: a
+    weight key's block and tensor, the block's module and layout; a stock patcher has none."""
+    from ringswap.lora.blocks import SwappedBlocks, swapped_blocks
+    from ringswap.lora.checks import weight_shape
+    model = swapped["fp32"]
+    blocks = swapped_blocks(model)
+    assert isinstance(blocks, SwappedBlocks) and swapped_blocks(stock["fp32"]) is None
+    assert blocks.block_of("diffusion_model.blocks.1.ffn.0.weight") == (1, "ffn.0.weight")
+    assert blocks.block_of("diffusion_model.head.head.weight") is None
+    module, layout = blocks.block(1)
+    assert module is model.model.diffusion_model.blocks[1]
+    want = tuple(comfy.utils.get_attr(stock["fp32"].model, "diffusion_model.blocks.1.ffn.0.weight").shape)
+    assert weight_shape(model, "diffusion_model.blocks.1.ffn.0.weight") == want
+
+
 @pytest.fixture(scope="module")
 def mixed_reference(stock, loras):
     return comfy_reference(stock["fp32"], loras["mixed"][1], n_inputs=1)

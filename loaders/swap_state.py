@@ -1,0 +1,81 @@
+"""SwapState: what all patchers of one diffusion model share (the engine, the block names
+and keys, the measured runs), kept on the model itself. It is the model's
+lora.blocks.SwappedBlocks, so the LoRA fold finds blocks without reaching into the engine."""
+from __future__ import annotations
+
+import logging
+import re
+
+import comfy.model_patcher
+from torch import nn
+
+from ..swap import BlockSwapEngine
+from ..swap.layout import BlockLayout
+from .block_lists import ALL_NAMES, find_block_lists
+from .run_state import swap_state_on
+
+log = logging.getLogger("ringswap.swap_state")
+
+_BLOCK_KEY = re.compile(r"^(.*?\.\d+\.)(.+)$")   # "diffusion_model.blocks.7." + "ffn.0.weight"
+
+
+class SwapState:
+    """What all patchers of one diffusion model share: the engine and block names."""
+
+    def __init__(self, diffusion_model: nn.Module, engine: BlockSwapEngine | None = None):
+        lists = find_block_lists(diffusion_model)
+        if not lists:
+            raise ValueError(
+                f"RingSwap: {type(diffusion_model).__name__} has no transformer block list "
+                f"(looked for a non-empty ModuleList named one of: {', '.join(ALL_NAMES)}); "
+                "this model cannot be block-swapped")
+        self.list_names = [n for n, _ in lists]
+        # ComfyUI's weight-key prefix of each engine block, e.g. "diffusion_model.blocks.7."
+        self.block_keys = [f"diffusion_model.{n}.{j}." for n, blocks in lists for j in range(len(blocks))]
+        self.block_index = {k: i for i, k in enumerate(self.block_keys)}
+        self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
+        self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
+        self.measured: dict = {}   # (latent shape, conds a call) -> run_plan.Measured (activation peak, compute time)
+        self.nonblock_bytes = sum(
+            t.numel() * t.element_size()
+            for n, t in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers())
+            if not any(n.startswith(p[len("diffusion_model."):]) for p in self.prefixes))
+
+        _warn_unlisted(diffusion_model, self.list_names)
+
+    def block_of(self, key: str) -> tuple[int, str] | None:
+        """(block index, the tensor's name inside the block) of a ComfyUI weight key."""
+        m = _BLOCK_KEY.match(key)
+        b = self.block_index.get(m.group(1)) if m is not None else None
+        return None if b is None else (b, m.group(2))
+
+    def block(self, index: int) -> tuple[nn.Module, BlockLayout]:
+        s = self.engine.states[index]
+        return s.block, s.layout
+
+    @classmethod
+    def install(cls, diffusion_model: nn.Module, engine: BlockSwapEngine) -> "SwapState":
+        """Use `engine` (e.g. one that reads blocks from a file) for this model."""
+        state = cls(diffusion_model, engine)
+        diffusion_model.ringswap_state = state
+        return state
+
+    @classmethod
+    def of(cls, patcher: comfy.model_patcher.ModelPatcher) -> "SwapState":
+        dm = patcher.model.diffusion_model
+        state = swap_state_on(dm)
+        if state is None:
+            state = cls(dm)
+            dm.ringswap_state = state
+        return state
+
+
+def _warn_unlisted(diffusion_model: nn.Module, listed: list[str]) -> None:
+    """Say so when a ModuleList that is not swapped holds a tenth of the model or more."""
+    def nbytes(m):
+        return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+    total = nbytes(diffusion_model)
+    for name, child in diffusion_model.named_children():
+        if isinstance(child, nn.ModuleList) and name not in listed and total and nbytes(child) >= total / 10:
+            log.warning("RingSwap: %s.%s (%d modules, %.2f GB) is not a block list RingSwap swaps; it stays "
+                        "on the GPU", type(diffusion_model).__name__, name, len(child), nbytes(child) / 1e9)
