@@ -36,11 +36,26 @@ def list_names(diffusion_model: nn.Module) -> tuple[str, ...]:
     return GENERIC
 
 
-def find_block_lists(diffusion_model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """The model's non-empty transformer block lists in call order, e.g. [("blocks", ...)] for Wan."""
+def nonblock_bytes(diffusion_model: nn.Module, list_names: list[str]) -> int:
+    """Bytes of the model's weights outside its block lists (they stay on the device); read
+    from the tensors' shapes, so a meta skeleton or unbound blocks count the same."""
+    prefixes = tuple(f"{n}." for n in list_names)
+    return sum(t.numel() * t.element_size()
+               for n, t in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers())
+               if not n.startswith(prefixes))
+
+
+def find_block_lists(diffusion_model: nn.Module, source: str = "") -> list[tuple[str, nn.ModuleList]]:
+    """The model's non-empty transformer block lists in call order, e.g. [("blocks", ...)] for Wan.
+    Raises ValueError (naming `source`, e.g. the file, and the names looked for) when it has none."""
     found = []
     for name in list_names(diffusion_model):
         blocks = getattr(diffusion_model, name, None)
         if isinstance(blocks, nn.ModuleList) and len(blocks) > 0:
             found.append((name, blocks))
+    if not found:
+        raise ValueError(
+            f"RingSwap: {source + ': ' if source else ''}{type(diffusion_model).__name__} has no transformer "
+            f"block list (looked for a non-empty ModuleList named one of: {', '.join(list_names(diffusion_model))}); "
+            "this model cannot be block-swapped")
     return found

@@ -83,10 +83,7 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
     with mapped_allocations():
         skeleton = build_skeleton(index, ALL_NAMES, model_options)
     dm = skeleton.model.diffusion_model
-    lists = find_block_lists(dm)
-    if not lists:
-        raise ValueError(f"RingSwap: {path}: {type(dm).__name__} has no transformer block list "
-                         f"(one of: {', '.join(ALL_NAMES)}); it cannot be block-swapped")
+    lists = find_block_lists(dm, path)
     blocks = [b for _, bl in lists for b in bl]
     keys = [f"{skeleton.prefix}{name}.{j}." for name, bl in lists for j in range(len(bl))]
     reader = BlockReader(path, workers=disk_workers)

@@ -18,7 +18,7 @@ from . import comfy_features as features
 from .run_plan import tokens
 from .safetensors_index import SafetensorsIndex
 from .skeleton import build_skeleton
-from .block_lists import ALL_NAMES, find_block_lists
+from .block_lists import ALL_NAMES, find_block_lists, nonblock_bytes
 
 GB = 1e9
 _CACHE: "collections.OrderedDict[tuple, FileFacts]" = collections.OrderedDict()
@@ -46,14 +46,10 @@ def file_facts(path: str) -> FileFacts:
             return facts
     model = build_skeleton(SafetensorsIndex.open(path), ALL_NAMES, weights=False).model
     dm = model.diffusion_model
-    lists = find_block_lists(dm)
-    if not lists:
-        raise ValueError(f"RingSwap: {path}: {type(dm).__name__} has no transformer block list; "
-                         "it cannot be block-swapped")
+    lists = find_block_lists(dm, path)
     blocks = [b for _, bl in lists for b in bl]
     sizes = tuple(_nbytes(list(b.parameters()) + list(b.buffers())) for b in blocks)
-    total = _nbytes(list(dm.parameters()) + list(dm.buffers()))
-    facts = FileFacts(model, sizes, total - sum(sizes))
+    facts = FileFacts(model, sizes, nonblock_bytes(dm, [n for n, _ in lists]))
     with _LOCK:
         _CACHE[key] = facts
         while len(_CACHE) > 4:

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..swap import BlockSwapEngine
 from ..swap.layout import BlockLayout
-from .block_lists import ALL_NAMES, find_block_lists
+from .block_lists import find_block_lists, nonblock_bytes
 from .run_state import swap_state_on
 
 log = logging.getLogger("ringswap.swap_state")
@@ -24,11 +24,6 @@ class SwapState:
 
     def __init__(self, diffusion_model: nn.Module, engine: BlockSwapEngine | None = None):
         lists = find_block_lists(diffusion_model)
-        if not lists:
-            raise ValueError(
-                f"RingSwap: {type(diffusion_model).__name__} has no transformer block list "
-                f"(looked for a non-empty ModuleList named one of: {', '.join(ALL_NAMES)}); "
-                "this model cannot be block-swapped")
         self.list_names = [n for n, _ in lists]
         # ComfyUI's weight-key prefix of each engine block, e.g. "diffusion_model.blocks.7."
         self.block_keys = [f"diffusion_model.{n}.{j}." for n, blocks in lists for j in range(len(blocks))]
@@ -36,10 +31,7 @@ class SwapState:
         self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
         self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
         self.measured: dict = {}   # (latent shape, conds a call) -> run_plan.Measured (activation peak, compute time)
-        self.nonblock_bytes = sum(
-            t.numel() * t.element_size()
-            for n, t in list(diffusion_model.named_parameters()) + list(diffusion_model.named_buffers())
-            if not any(n.startswith(p[len("diffusion_model."):]) for p in self.prefixes))
+        self.nonblock_bytes = nonblock_bytes(diffusion_model, self.list_names)
 
         _warn_unlisted(diffusion_model, self.list_names)
 
