@@ -62,7 +62,6 @@ class BlockSwapEngine:
         self.att: Attachment | None = None
         self.link_bytes_per_s = 0.0   # host-to-device rate of the last run's copies from a pinned home
         self.read_back = (0, 0.0)     # bytes read from the file by the last attach, and its seconds
-        self.faults = None            # test hook: .check(call, block) may raise (see recovery.FaultInjector)
         self.orders: dict[tuple[int, ...], tuple[int, ...]] = {}   # streamed blocks -> their learned call order
         self.observer: Callable[[], None] | None = None   # called before each streamed block and model call (keep it cheap)
         if read_block is not None:   # weights come from the reader: drop what the modules hold
@@ -279,8 +278,6 @@ class BlockSwapEngine:
 
     def _before_block(self, block: int) -> None:
         att = self.att
-        if self.faults is not None:
-            self.faults.check(att.stats.calls, block)
         att.order.observe(block)
         slot = att.ring.slot_of(block)
         if slot is None:   # not predicted (a call order not learned yet): fetched now, counted

@@ -2,8 +2,7 @@
 
 The retry runs the same inputs through the same weights, so its output equals a run at
 the smaller window from the start. The first call of a run also measures the activation
-peak on CUDA (`CallPeak`: it resets CUDA's peak-memory statistics). `FaultInjector` is the test hook
-that makes a chosen block of a chosen call fail as an allocation would.
+peak on CUDA (`CallPeak`: it resets CUDA's peak-memory statistics).
 """
 from __future__ import annotations
 
@@ -21,22 +20,6 @@ T = TypeVar("T")
 GB = 1e9
 
 
-class FaultInjector:
-    """Raise torch.OutOfMemoryError at `block` of model call `call` (counted from 1 in a run), `times` times."""
-
-    def __init__(self):
-        self._left: dict[tuple[int, int], int] = {}
-
-    def add(self, call: int, block: int, times: int = 1) -> None:
-        self._left[(call, block)] = times
-
-    def check(self, call: int, block: int) -> None:
-        left = self._left.get((call, block), 0)
-        if left:
-            self._left[(call, block)] = left - 1
-            raise torch.OutOfMemoryError(f"injected allocation failure at block {block} of model call {call}")
-
-
 class CallPeak:
     """Bytes one model call needs on a CUDA device beyond what it holds at the call's start:
     what the caching allocator had to reserve (fragmentation included), not only what tensors
@@ -52,13 +35,6 @@ class CallPeak:
     def bytes(self) -> int:
         return max(0, torch.cuda.max_memory_allocated(self.device) - self.allocated,
                    torch.cuda.max_memory_reserved(self.device) - self.reserved)
-
-
-def inject_oom(engine: BlockSwapEngine, call: int, block: int, times: int = 1) -> None:
-    """Test hook: make `block` of model call `call` run out of memory `times` times."""
-    if engine.faults is None:
-        engine.faults = FaultInjector()
-    engine.faults.add(call, block, times)
 
 
 def _give_up(engine: BlockSwapEngine, on_change: Callable[[int, int], None], message: str) -> None:

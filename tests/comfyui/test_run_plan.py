@@ -18,7 +18,7 @@ from ringswap.loaders import run_plan
 from ringswap.nodes.patch import RingSwapPatch
 from ringswap.swap import ResidencyPlan
 from ringswap.swap.planner import NotEnoughVRAM
-from ringswap.swap.recovery import inject_oom
+from support.faults import inject_oom
 from wan_model import conditioning, latent, load_stock, tiny_wan
 
 BLOCKS = 8
