@@ -20,7 +20,6 @@ import comfy.utils
 from ..swap import BlockSwapEngine
 from . import comfy_features as features
 from .live_payload import live_payload
-from .run_state import swap_state_on
 
 log = logging.getLogger("ringswap.live_feed")
 
@@ -148,23 +147,13 @@ def observe(engine: BlockSwapEngine, node: str | None) -> LiveFeed:
     return feed
 
 
-WRAPPER_KEY = "ringswap_live"
-
-
-def install(patcher) -> None:
-    """Register the model-call wrapper that tells the feed the sampler's step, once."""
-    if not features.can_wrap(patcher):
+def on_model_call(engine: BlockSwapEngine, args: tuple, kwargs: dict) -> None:
+    """A model call of `engine`'s run starts (APPLY_MODEL's arguments: x, t, ...,
+    transformer_options): tell its feed the sampler's step. Called from run_plan's one
+    APPLY_MODEL wrapper, which has found the engine already."""
+    feed = feed_of(engine)
+    if feed is None:
         return
-    import comfy.patcher_extension
-    kind = comfy.patcher_extension.WrappersMP.APPLY_MODEL
-    if not patcher.wrappers.get(kind, {}).get(WRAPPER_KEY):
-        patcher.add_wrapper_with_key(kind, WRAPPER_KEY, _apply_model)
-
-
-def _apply_model(executor, x, t, *args, **kwargs):
-    state = swap_state_on(executor.class_obj.diffusion_model)
-    feed = feed_of(state.engine) if state is not None else None
-    if feed is not None:
-        options = kwargs.get("transformer_options", args[3] if len(args) > 3 else None)
-        feed.on_call(t, options.get("sample_sigmas") if isinstance(options, dict) else None)
-    return executor(x, t, *args, **kwargs)
+    t = args[1] if len(args) > 1 else kwargs.get("t")
+    options = kwargs.get("transformer_options", args[5] if len(args) > 5 else None)
+    feed.on_call(t, options.get("sample_sigmas") if isinstance(options, dict) else None)

@@ -26,7 +26,7 @@ from ..swap.plan import ResidencyPlan
 from ..swap.planner import PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
 from ..swap.recovery import run_call
 from . import comfy_features as features
-from . import ram_room
+from . import live_feed, ram_room
 from .run_state import swap_state_on
 
 log = logging.getLogger("ringswap.run_plan")
@@ -262,6 +262,7 @@ def _apply_model(executor, *args, **kwargs):
     engine = state.engine if state is not None else None
     if engine is None or engine.att is None:
         return executor(*args, **kwargs)
+    live_feed.on_model_call(engine, args, kwargs)
     patcher = engine.att.owner() if callable(engine.att.owner) else None
     plan = patcher.ringswap_run.plan if patcher is not None else None
     if patcher is not None:

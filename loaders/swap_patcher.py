@@ -91,7 +91,6 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         n.ringswap = settings
         n.ringswap_node = None if node is None else str(node)
         run_plan.install(n)
-        live_feed.install(n)
         # Our own weight state: ComfyUI then fully unloads whatever another patcher of
         # the same model left on the GPU before loading this one (partially_load).
         n.patches_uuid = uuid.uuid4()

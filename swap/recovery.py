@@ -23,7 +23,7 @@ GB = 1e9
 class CallPeak:
     """Bytes one model call needs on a CUDA device beyond what it holds at the call's start:
     what the caching allocator had to reserve (fragmentation included), not only what tensors
-    occupied. A plan sized on tensor bytes alone ran out of memory (bench/RESULTS.md, VACE-14B)."""
+    occupied: a plan sized on tensor bytes alone can run out of memory."""
 
     def __init__(self, device: torch.device):
         torch.cuda.empty_cache()   # reserved == held at the start: its growth is this call's own

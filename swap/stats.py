@@ -50,8 +50,8 @@ class RunStats:
     @property
     def compute_s(self) -> float:
         """Mean device time of a model call, less the time it stood waiting for copies. The
-        run's first call (allocator and kernel start-up: 1.00 s against 0.92 s for the rest,
-        bench/RESULTS.md) is left out where there are more, with its mean share of the waits."""
+        run's first call (slower: allocator and kernel start-up) is left out where there are
+        more, with its mean share of the waits."""
         n = len(self.call_times)
         if not n:
             return 0.0

@@ -5,8 +5,7 @@ call's compute; a streamed block waits for its copy; copies run one at a time on
 stream, each issued as soon as a ring slot is free (the streamed block that held it has
 run), and the ring wraps into the next call. Simulated over a few calls, so the result is
 the steady state. Totals alone (copy time against compute time) miss the stalls where
-streamed blocks sit next to each other and prefetch cannot bank the resident blocks' slack
-(bench/RESULTS.md, cfg 5 on a halved link: 0.957 s simulated, 0.955-0.968 s measured).
+streamed blocks sit next to each other and prefetch cannot bank the resident blocks' slack.
 """
 from __future__ import annotations
 

@@ -64,6 +64,9 @@ def test_one_plan_line_per_run_before_its_steps(stock, reference, caplog):
     assert "activations ~" in plan and "at 32 tokens (ComfyUI's estimate)" in plan   # 2x8x8 latent, patch 1x2x2
     assert "streams" in plan and "per model call" in plan
     assert "3 model calls" in lines[1]
+    # the sampler's steps reach the run's summary through the one APPLY_MODEL wrapper
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap steps:")]
+    assert len(steps) == 2 and all(s.startswith("RingSwap steps: 3 in ") for s in steps), steps
 
 
 def test_a_clone_starts_a_fresh_run_state(stock):
