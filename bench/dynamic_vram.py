@@ -40,8 +40,8 @@ def child(a) -> dict:
     dynamic_vram.init_library()
     import comfy.sd
     dynamic_vram.enable()
-    from ringswap.loaders.model_loader import load_swapped_model
-    from ringswap.loaders.swap_patcher import SwapSettings
+    from ringswap.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.comfyui_adapter.swap_patcher import SwapSettings
     from ringswap.nodes.patch import RingSwapPatch
 
     rss_base = common.rss_bytes()

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import folder_paths
 
-from ..loaders.block_reader import file_identity
-from ..loaders.model_loader import cached_swapped_base
-from ..loaders.swap_patcher import SwapModelPatcher, SwapSettings
+from ..comfyui_adapter.live_feed import progress_bar
+from ..comfyui_adapter.load_swapped import cached_swapped_base
+from ..comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
+from ..model_file.block_reader import file_identity
 from ..swap import PIN_MODES
-from ..loaders.live_feed import progress_bar
 from .patch import BUDGET_TIP, PIN_TIP, PREFETCH_TIP, WINDOW_TIP
 
 HOME_TIP = ("Where blocks that are not on the GPU live. auto: the blocks that stream every step get RAM "

@@ -20,8 +20,8 @@ import comfy.model_management
 import comfy.utils
 
 from . import comfy_features as features
-from .quant import build_quantized_blocks, comfy_quant_layers, declare_fp8_layers
-from .safetensors_index import SafetensorsIndex
+from ..model_file.quant import build_quantized_blocks, comfy_quant_layers, declare_fp8_layers
+from ..model_file.safetensors_index import SafetensorsIndex
 
 log = logging.getLogger("ringswap.skeleton")
 

@@ -42,7 +42,7 @@ class SwapSettings:
     prefetch: int = 1
     pin_memory: str = "auto"
     vram_budget_gb: float = 0.0   # VRAM this model may use in all (weights + activations); 0 = what is free
-    ram_budget_gb: float = 0.0    # home=auto: host RAM for block homes; 0 = what is available (loaders/ram_room.py)
+    ram_budget_gb: float = 0.0    # home=auto: host RAM for block homes; 0 = what is available (comfyui_adapter/ram_room.py)
 
     def __post_init__(self):
         if self.window < 0:

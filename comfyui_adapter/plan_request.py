@@ -16,7 +16,7 @@ import comfy.model_management
 from ..swap.planner import PlanInputs, WindowPlan, plan_step
 from . import comfy_features as features
 from .run_plan import tokens
-from .safetensors_index import SafetensorsIndex
+from ..model_file.safetensors_index import SafetensorsIndex
 from .skeleton import build_skeleton
 from .block_lists import ALL_NAMES, find_block_lists, nonblock_bytes
 

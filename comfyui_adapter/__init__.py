@@ -1,0 +1,1 @@
+"""The ComfyUI side: the patcher whose blocks stream, run plans, version probes, the live feed and the plan route's file plans. Imports one way: nodes -> comfyui_adapter -> {model_file, lora, swap}."""
