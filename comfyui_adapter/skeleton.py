@@ -80,26 +80,7 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
                          f"(no known architecture matches its {len(sd)} tensors)")
 
     offload_device = comfy.model_management.unet_offload_device()
-    unet_weight_dtype = list(model_config.supported_inference_dtypes)
-    quant_config = features.layer_quant_config(model_config)
-    if features.drops_weight_dtype(model_config):
-        weight_dtype = None
-    dtype = model_options.get("dtype", None)
-    if dtype is None:
-        unet_dtype = comfy.model_management.unet_dtype(model_params=parameters, supported_dtypes=unet_weight_dtype,
-                                                       weight_dtype=weight_dtype)
-    else:
-        unet_dtype = dtype
-    if quant_config is not None:
-        manual_cast_dtype = comfy.model_management.unet_manual_cast(None, load_device,
-                                                                    model_config.supported_inference_dtypes)
-    else:
-        manual_cast_dtype = comfy.model_management.unet_manual_cast(unet_dtype, load_device,
-                                                                    model_config.supported_inference_dtypes)
-    features.set_inference_dtype(model_config, unet_dtype, manual_cast_dtype, load_device)
-    model_config.custom_operations = model_options.get("custom_operations", model_config.custom_operations)
-    if model_options.get("fp8_optimizations", False):
-        model_config.optimizations["fp8"] = True
+    unet_dtype, manual_cast_dtype = _set_dtypes(model_config, model_options, parameters, weight_dtype, load_device)
 
     if not weights:
         with features.static_construction(), torch.device("meta"):
@@ -115,6 +96,26 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
     if missing:
         log.warning("RingSwap: %s: missing non-block weights: %s", path, missing)
     return Skeleton(model, model_config, prefix, load_device, offload_device)
+
+
+def _set_dtypes(model_config, model_options: dict, parameters: int, weight_dtype, load_device) -> tuple:
+    """The model's dtype and manual-cast dtype, chosen and set as ComfyUI's
+    load_diffusion_model_state_dict does (model_options: dtype, custom_operations, fp8)."""
+    supported = list(model_config.supported_inference_dtypes)
+    if features.drops_weight_dtype(model_config):
+        weight_dtype = None
+    unet_dtype = model_options.get("dtype", None)
+    if unet_dtype is None:
+        unet_dtype = comfy.model_management.unet_dtype(model_params=parameters, supported_dtypes=supported,
+                                                       weight_dtype=weight_dtype)
+    quantized = features.layer_quant_config(model_config) is not None
+    manual_cast_dtype = comfy.model_management.unet_manual_cast(None if quantized else unet_dtype, load_device,
+                                                                supported)
+    features.set_inference_dtype(model_config, unet_dtype, manual_cast_dtype, load_device)
+    model_config.custom_operations = model_options.get("custom_operations", model_config.custom_operations)
+    if model_options.get("fp8_optimizations", False):
+        model_config.optimizations["fp8"] = True
+    return unet_dtype, manual_cast_dtype
 
 
 def _check_blocks_complete(sd: dict, list_names: tuple[str, ...], path: str) -> None:

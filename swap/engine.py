@@ -174,28 +174,9 @@ class BlockSwapEngine:
                 if report is not None:
                     report(read_back, 0)
             att.copier.synchronize()
-            from_ram = [i for i in plan.streamed if i in keep]
-            att.memory = "disk" if self.home == "disk" or (file_streamed and not from_ram) else \
-                home.copy_memory(self.states, self.pool, device, from_ram, pin_memory)
-            if self.home == "auto":   # resident blocks keep no host copy
-                for i in list(self.pool.blocks):
-                    if i not in keep:
-                        self.pool.drop(i)
-                if not file_streamed and att.readahead is not None:
-                    att.readahead.release_all()
-                    att.readahead = None
+            home.settle(self.home, self.states, self.pool, att, file_streamed)
             if plan.streamed:
-                nbytes = max(self.states[i].layout.nbytes for i in plan.streamed)
-                att.ring = SlotRing(plan.ring_slots, nbytes, device, staging=att.memory == "staged",
-                                    pin_staging=device.type == "cuda")
-                att.ram = RamSource(self, att)
-                if att.readahead is not None:
-                    att.file = FileSource(self, att, att.ring)
-                for i in plan.streamed:
-                    s = self.states[i]
-                    s.unbind(device)
-                att.hooks = BlockHooks([s.block for s in self.states], list(plan.streamed),
-                                       self._before_block, self._after_block)
+                self._hook_streamed(att)
             self.att = att
             for i in att.upcoming()[:plan.ring_slots]:
                 self._issue(i, att.ring.victim([]))
@@ -211,6 +192,20 @@ class BlockSwapEngine:
         self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
         log.debug("attached on %s: %s, %s memory", device, plan.describe(), att.memory)
         return plan
+
+    def _hook_streamed(self, att: Attachment) -> None:
+        """The ring, the streamed blocks' sources and hooks; their parameters point at stand-ins."""
+        plan, device = att.plan, att.device
+        nbytes = max(self.states[i].layout.nbytes for i in plan.streamed)
+        att.ring = SlotRing(plan.ring_slots, nbytes, device, staging=att.memory == "staged",
+                            pin_staging=device.type == "cuda")
+        att.ram = RamSource(self, att)
+        if att.readahead is not None:
+            att.file = FileSource(self, att, att.ring)
+        for i in plan.streamed:
+            self.states[i].unbind(device)
+        att.hooks = BlockHooks([s.block for s in self.states], list(plan.streamed),
+                               self._before_block, self._after_block)
 
     def _place(self, att: Attachment, s: BlockState) -> int:
         """Copy a resident block to its device buffer, from its home or else the file;

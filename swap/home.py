@@ -70,6 +70,23 @@ def capture(states: list, pool: HostPool) -> None:
         s.binding.bind(s.layout.views(buf.flat))
 
 
+def settle(kind: str, states: list, pool: HostPool, att, file_streamed: list[int]) -> None:
+    """After an attachment's placement: how its streamed copies leave host memory (page-locking
+    the RAM homes that stream; "disk" where all come from the file), and for home=auto
+    (`kind`) no host copy of a resident block."""
+    keep, plan = att.ram_homes, att.plan
+    from_ram = [i for i in plan.streamed if i in keep]
+    att.memory = "disk" if kind == "disk" or (file_streamed and not from_ram) else \
+        copy_memory(states, pool, att.device, from_ram, att.pin_memory)
+    if kind == "auto":
+        for i in list(pool.blocks):
+            if i not in keep:
+                pool.drop(i)
+        if not file_streamed and att.readahead is not None:
+            att.readahead.release_all()
+            att.readahead = None
+
+
 def copy_memory(states: list, pool: HostPool, device: torch.device, streamed: list[int], pin_memory: str) -> str:
     """How the copies of the `streamed` blocks leave their RAM homes: "pinned", "staged" or
     "pageable" (the engine says "disk" where every streamed block comes from the file)."""
