@@ -1,11 +1,9 @@
 """BlockSwapEngine: run a list of transformer blocks with only a few on the device.
 
-Glue between the residency plan, the host pool, the slot ring, the copy stream and the
-block hooks. `attach` puts resident blocks on the device and hooks the streamed ones;
-each streamed block waits (GPU-side) for its copy before it runs, and as soon as it has
-run its slot is refilled with the next streamed block not yet in the ring, so the copy
-runs under the compute of the blocks in between (and wraps to the next step).
-Imports torch only: nothing here knows about ComfyUI.
+`attach` puts a plan's resident blocks on the device and hooks the streamed ones; each
+streamed block waits (GPU-side) for its copy before it runs, and once it has run its slot
+is refilled with the next streamed block not in the ring, so copies run under the compute
+of the blocks between (wrapping to the next call). Imports torch only, never ComfyUI.
 """
 from __future__ import annotations
 
@@ -169,8 +167,12 @@ class BlockSwapEngine:
             if file_streamed or any(i not in self.pool.blocks for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
                                           pin=device.type == "cuda" and pin_memory != "off")
+            from_file = [i for i in placing if i not in self.pool.blocks]   # read back, in placing order
             for i in placing:   # before pinning changes: a block streamed until now copies from its pinned home
+                self._read_ahead(att, from_file)
                 read_back += self._place(att, self.states[i])
+                if from_file and from_file[0] == i:
+                    from_file.pop(0)
                 if report is not None:
                     report(read_back, 0)
             att.copier.synchronize()
@@ -206,6 +208,12 @@ class BlockSwapEngine:
             self.states[i].unbind(device)
         att.hooks = BlockHooks([s.block for s in self.states], list(plan.streamed),
                                self._before_block, self._after_block)
+
+    def _read_ahead(self, att: Attachment, blocks: list[int]) -> None:
+        """Start the next resident blocks' file reads in the free staging buffers (the disk reads on)."""
+        for i in blocks:
+            if att.readahead.request(i, self.states[i].layout.nbytes) is None:
+                return
 
     def _place(self, att: Attachment, s: BlockState) -> int:
         """Copy a resident block to its device buffer, from its home or else the file;
