@@ -81,3 +81,19 @@ def fast_and_quiet():
     yield
     torch.set_num_threads(threads)
     gc.unfreeze()
+
+
+@pytest.fixture(scope="session")
+def shared_models(tmp_path_factory) -> str:
+    """The models folder of the shared server: each module writes its own files into it."""
+    return str(tmp_path_factory.mktemp("shared_models"))
+
+
+@pytest.fixture(scope="session")
+def shared_server(shared_models):
+    """One ComfyUI server for the HTTP tests that need no server of their own (a start costs
+    ~6 s on a CPU); ComfyUI lists files written into its folders after it started."""
+    from support.comfy_server import ComfyServer
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with ComfyServer(COMFY, shared_models, cpu=not CUDA, extra_args=SERVER_ARGS, env=env) as srv:
+        yield srv

@@ -5,8 +5,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import COMFY, CUDA, SERVER_ARGS
-from support.comfy_server import ComfyServer
 from support.lora_files import build_lora, write_lora
 from support.wan_files import write_tiny_wan
 from support.workflows import build_workflow
@@ -18,12 +16,10 @@ LORA = "wan_mixed.safetensors"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    models = tmp_path_factory.mktemp("models")
-    write_tiny_wan(os.path.join(models, "diffusion_models", UNET), dim=128, num_layers=4, ffn_dim=256)
-    write_lora(os.path.join(models, "loras", LORA), build_lora("mixed", dim=128, ffn_dim=256, blocks=4))
-    with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS) as srv:
-        yield srv
+def server(shared_models, shared_server):
+    write_tiny_wan(os.path.join(shared_models, "diffusion_models", UNET), dim=128, num_layers=4, ffn_dim=256)
+    write_lora(os.path.join(shared_models, "loras", LORA), build_lora("mixed", dim=128, ffn_dim=256, blocks=4))
+    return shared_server
 
 
 def workflow(strength, prefix, lora=True):

@@ -15,9 +15,8 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import COMFY, CUDA, SERVER_ARGS
+from conftest import CUDA
 from ringswap.swap import ResidencyPlan
-from support.comfy_server import ComfyServer
 from support.wan_files import write_tiny_wan
 from support.workflows import build_workflow
 
@@ -40,13 +39,10 @@ def outside(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, outside):
-    models = tmp_path_factory.mktemp("models")
-    write_tiny_wan(os.path.join(models, "diffusion_models", UNET), dim=128, num_layers=BLOCKS,
+def server(shared_models, shared_server, outside):
+    write_tiny_wan(os.path.join(shared_models, "diffusion_models", UNET), dim=128, num_layers=BLOCKS,
                    ffn_dim=256, dtype=torch.bfloat16, seed=3)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS, env=env) as srv:
-        yield srv
+    return shared_server
 
 
 def get(srv, **query):
