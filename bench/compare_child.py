@@ -105,8 +105,8 @@ def build(cfg: Config, a, dev: torch.device):
     --lora-rank, the sampled MODELs carry the LoRA, with --compile they are compiled (the
     direct ones run without either)."""
     import comfy.sd
-    from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-    from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
     if cfg.kind in ("loader", "disk", "auto"):
         if cfg.kind == "disk":
             from io_rates import drop_page_cache

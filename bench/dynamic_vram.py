@@ -40,8 +40,8 @@ def child(a) -> dict:
     dynamic_vram.init_library()
     import comfy.sd
     dynamic_vram.enable()
-    from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-    from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
     from ringswap.nodes.patch import RingSwapPatch
 
     rss_base = common.rss_bytes()

@@ -31,8 +31,8 @@ if not torch.cuda.is_available():   # CPU smoke test: tell ComfyUI before it loo
 import comfy.model_management as mm  # noqa: E402
 import comfy.sd  # noqa: E402
 
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model  # noqa: E402
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings  # noqa: E402
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model  # noqa: E402
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings  # noqa: E402
 
 LINEARS = ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
            "cross_attn.q", "cross_attn.k", "cross_attn.v", "cross_attn.o", "ffn.0", "ffn.2")

@@ -23,8 +23,8 @@ if not CUDA:
     args.cpu = True
 import comfy.model_management as mm  # noqa: E402
 
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model  # noqa: E402
-from ringswap.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings  # noqa: E402
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model  # noqa: E402
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings  # noqa: E402
 
 LAYERS, DIM, FFN, TOKENS, CTX = (40, 5120, 13824, 4096, 512) if CUDA else (6, 256, 512, 64, 16)
 DEV = torch.device("cuda" if CUDA else "cpu")

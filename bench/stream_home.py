@@ -28,7 +28,7 @@ def compute_only(patcher, fmt: str, a, dev: torch.device, mm, rows: list, budget
     streaming, where the device holds the model): the compute bound of that row. When it
     is longer than the copies of a step, the link cannot reach the pinned rate per step
     wall time however well the copies overlap."""
-    from ringswap.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
     row = next((r for r in rows if r.get("format") == fmt and r.get("home") == "ram"
                 and r.get("tokens") == a.ram_target_tokens and "error" not in r), None)
     engine = patcher.swap_engine
@@ -63,8 +63,8 @@ def compute_note(r: dict, h2d: dict) -> str:
 
 def run_home(fmt: str, home: str, info: dict, a, dev: torch.device, mm, budget: Budget,
              rows: list, skipped: list, save=lambda: None) -> None:
-    from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-    from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 
     path, total, block = info["path"], info["bytes"], info["block_bytes"]
     resident, streamed = plan_counts(info["blocks"], a.window, a.prefetch)

@@ -1,4 +1,4 @@
-"""RingSwap's ComfyUI nodes: read widgets, call comfyui_adapter/lora/swap, return MODEL."""
+"""RingSwap's ComfyUI nodes: read widgets, call loaders/comfyui_adapter/lora/swap, return MODEL."""
 from .model_loader import RingSwapModelLoader
 from .lora import RingSwapLoRA, RingSwapLoRAStack
 from .patch import RingSwapPatch

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import folder_paths
 
-from ..comfyui_adapter.live_feed import progress_bar
-from ..comfyui_adapter.load_swapped import cached_swapped_base
-from ..comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
-from ..model_file.block_reader import file_identity
+from ..loaders.comfyui_adapter.live_feed import progress_bar
+from ..loaders.comfyui_adapter.load_swapped import cached_swapped_base
+from ..loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
+from ..loaders.model_file.block_reader import file_identity
 from ..swap import PIN_MODES
 from .patch import BUDGET_TIP, PIN_TIP, PREFETCH_TIP, WINDOW_TIP
 

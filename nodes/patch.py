@@ -1,9 +1,9 @@
 """RingSwap Patch: turn on block swapping for any MODEL (e.g. from Load Diffusion Model)."""
 from __future__ import annotations
 
-from ..comfyui_adapter.live_feed import progress_bar
-from ..comfyui_adapter.load_swapped import own_model_for
-from ..comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
+from ..loaders.comfyui_adapter.live_feed import progress_bar
+from ..loaders.comfyui_adapter.load_swapped import own_model_for
+from ..loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
 from ..swap import PIN_MODES
 
 WINDOW_TIP = ("Transformer blocks kept on the GPU. window-1 blocks stay resident for the whole run; the "

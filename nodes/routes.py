@@ -1,5 +1,5 @@
 """GET /ringswap/plan: the plan a run would get, for the web extension; POST /ringswap/live:
-a browser asks for live block maps during sampling (comfyui_adapter/live_feed.py).
+a browser asks for live block maps during sampling (loaders/comfyui_adapter/live_feed.py).
 
 Only a name from ComfyUI's own diffusion_models list is ever opened: anything else (a
 path, a name with `..`) is refused before a file is touched.
@@ -11,9 +11,9 @@ import asyncio
 import folder_paths
 from aiohttp import web
 
-from ..comfyui_adapter import comfy_features as features
-from ..comfyui_adapter import live_feed
-from ..comfyui_adapter.plan_request import plan_for_file
+from ..loaders.comfyui_adapter import comfy_features as features
+from ..loaders.comfyui_adapter import live_feed
+from ..loaders.comfyui_adapter.plan_request import plan_for_file
 from ..swap.planner import NotEnoughVRAM
 
 # query parameter -> (type, smallest, largest, default; None = required)

@@ -1,4 +1,4 @@
-"""The block-list table (comfyui_adapter/block_lists.py) against this ComfyUI's own model classes.
+"""The block-list table (loaders/comfyui_adapter/block_lists.py) against this ComfyUI's own model classes.
 
 Each family's class exists in ComfyUI's source and builds every listed ModuleList in its
 constructor, so an upstream rename fails here rather than leaving blocks resident.
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from ringswap.comfyui_adapter.block_lists import ALL_NAMES, FAMILIES, GENERIC, list_names
+from ringswap.loaders.comfyui_adapter.block_lists import ALL_NAMES, FAMILIES, GENERIC, list_names
 
 MODULES = {   # where ComfyUI defines each family's diffusion model class
     "WanModel": "comfy.ldm.wan.model", "VaceWanModel": "comfy.ldm.wan.model", "Flux": "comfy.ldm.flux.model",

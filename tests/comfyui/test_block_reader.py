@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ringswap.model_file.block_reader import (PORTABLE_ENV, PREAD, PREADV, SEEK_READINTO, BlockReadError,
+from ringswap.loaders.model_file.block_reader import (PORTABLE_ENV, PREAD, PREADV, SEEK_READINTO, BlockReadError,
                                            FileChangedError, file_identity,
                                            BlockReader, read_method)
-from ringswap.model_file.safetensors_index import SafetensorsIndex
+from ringswap.loaders.model_file.safetensors_index import SafetensorsIndex
 
 TIMEOUT = 30
 

@@ -10,7 +10,7 @@ import comfy.model_management
 import comfy.patcher_extension
 import nodes as comfy_nodes
 
-from ringswap.comfyui_adapter import run_plan
+from ringswap.loaders.comfyui_adapter import run_plan
 from ringswap.nodes.patch import RingSwapPatch
 from wan_model import BLOCKS, conditioning, latent, load_stock, tiny_wan
 

@@ -10,8 +10,8 @@ import comfy.model_management
 import folder_paths
 import nodes as comfy_nodes
 
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
 from ringswap.nodes.model_loader import RingSwapModelLoader
 from ringswap.nodes.patch import RingSwapPatch
 from wan_model import conditioning, forward, inputs, latent, load_stock, tiny_wan

@@ -14,10 +14,10 @@ import comfy.sd
 import comfy.utils
 
 from conftest import DYNAMIC_VRAM
-from ringswap.comfyui_adapter import comfy_features as features
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.run_state import swap_state_on
-from ringswap.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
+from ringswap.loaders.comfyui_adapter import comfy_features as features
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.run_state import swap_state_on
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
 from ringswap.nodes.patch import RingSwapPatch
 from support.lora_files import build_lora
 from wan_model import forward, inputs, load_static, tiny_wan

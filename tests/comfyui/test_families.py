@@ -5,7 +5,7 @@ instance of ComfyUI's own classes built in-process (support/family_models.py: it
 config, BaseModel subclass and diffusion model, in a plain ModelPatcher): Qwen-Image,
 Chroma, HiDream, Lumina 2 / Z-Image, Flux, HunyuanVideo, LTX-Video and Wan VACE. For each,
 windows 1, 2 and all blocks at prefetch 0-2 give the plain patcher's outputs bit for bit
-on two consecutive calls, the engine swaps the family's block lists (comfyui_adapter/block_lists.py)
+on two consecutive calls, the engine swaps the family's block lists (loaders/comfyui_adapter/block_lists.py)
 and at window 1 every block of every list streams. Wan VACE calls its vace_blocks
 interleaved with the main blocks, once per context: they stream, are not counted as
 non-block bytes, and the engine learns that order (a stock KSampler's second run has no
@@ -19,7 +19,7 @@ import torch
 import comfy.model_management
 import nodes as comfy_nodes
 
-from ringswap.comfyui_adapter import block_lists
+from ringswap.loaders.comfyui_adapter import block_lists
 from ringswap.nodes.patch import RingSwapPatch
 from support import family_models as fm
 from support.family_models import FAMILIES, VACE_BLOCKS, VACE_MAIN, VACE_STRENGTH, forward

@@ -14,8 +14,8 @@ import torch
 
 import comfy.model_management
 
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from ringswap.nodes.patch import RingSwapPatch
 from support import family_files as ffs
 from support import family_models as fm

@@ -7,8 +7,8 @@ import torch
 
 import comfy.model_management
 
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
 from wan_model import forward, inputs, load_stock, tiny_wan
 
 BLOCKS = 8
@@ -74,8 +74,8 @@ def test_bad_ram_budget_is_refused():
 
 
 def test_automatic_room_is_available_ram_less_margin_and_comfys_keep(wan):
-    from ringswap.comfyui_adapter import comfy_features as features
-    from ringswap.comfyui_adapter.ram_room import MARGIN_MIN, room
+    from ringswap.loaders.comfyui_adapter import comfy_features as features
+    from ringswap.loaders.comfyui_adapter.ram_room import MARGIN_MIN, room
     path, _ = wan
     engine = load_swapped_model(path, SwapSettings(3, 1), home="auto").swap_engine
     assert room(engine, 1.5) == (1_500_000_000, "ram_budget_gb 1.5")

@@ -20,9 +20,9 @@ import comfy.model_management
 import folder_paths
 import nodes as comfy_nodes
 
-from ringswap.model_file.block_reader import BlockReader, BlockReadError, FileChangedError
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
+from ringswap.loaders.model_file.block_reader import BlockReader, BlockReadError, FileChangedError
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
 from ringswap.nodes.model_loader import RingSwapModelLoader
 from ringswap.swap.engine import BlockSwapEngine
 from wan_model import conditioning, forward, inputs, latent, load_stock, tiny_wan

@@ -6,9 +6,9 @@ from safetensors.torch import save_file
 
 import comfy.model_management
 
-from ringswap.comfyui_adapter import comfy_features as features
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.loaders.comfyui_adapter import comfy_features as features
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from support.quant_files import dequantized_state_dict, write_quant_wan
 from wan_model import forward, inputs, load_stock, static_twin
 
@@ -82,7 +82,7 @@ def test_equals_dequantize_then_linear_reference(files, fmt, tmp_path):
 def test_quantized_blocks_stay_compact(files):
     """fp8 and nvfp4 blocks travel and sit on the device in their file form (with scales):
     a block's layout is the file's block bytes plus alignment, not a dequantized copy."""
-    from ringswap.model_file.safetensors_index import SafetensorsIndex
+    from ringswap.loaders.model_file.safetensors_index import SafetensorsIndex
     for fmt in ("quant_metadata", "nvfp4"):
         model = load_swapped_model(files[fmt], SwapSettings(2, 1, "auto"), home="disk", disk_workers=1)
         block = [t for k, t in SafetensorsIndex.open(files[fmt]).tensors.items() if k.startswith("blocks.0.")]

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import COMFY, CUDA, SERVER_ARGS
-from ringswap.comfyui_adapter import comfy_features as features
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.loaders.comfyui_adapter import comfy_features as features
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from support.comfy_server import ComfyServer, ComfyServerError
 from support.quant_files import file_offset, write_misaligned_quant_wan, write_quant_wan
 from support.wan_files import write_tiny_wan

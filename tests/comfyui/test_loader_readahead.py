@@ -5,9 +5,9 @@ import time
 
 import torch
 
-from ringswap.model_file.block_source import BlockSource
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.loaders.model_file.block_source import BlockSource
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from support.quant_files import write_quant_wan
 from wan_model import forward, inputs
 

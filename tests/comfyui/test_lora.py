@@ -21,8 +21,8 @@ import comfy.utils
 import folder_paths
 import nodes as comfy_nodes
 
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from ringswap.lora.fold import BlockFolder
 from ringswap.nodes.lora import RingSwapLoRA, RingSwapLoRAStack
 from ringswap.nodes.patch import RingSwapPatch

@@ -3,8 +3,8 @@ import comfy.model_management
 import comfy.sd
 
 import ringswap.lora.fold_ops as fold_ops
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from ringswap.lora.apply import apply_lora
 from support.lora_files import build_lora, from_diffusers_names
 from test_lora import FoldProbe

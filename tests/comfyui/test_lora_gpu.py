@@ -10,8 +10,8 @@ import comfy.model_management
 import comfy.sd
 import comfy.utils
 
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from ringswap.lora.apply import apply_lora
 from ringswap.lora.fold_ops import KitchenOp, PlainOp, ScaledFp8Op, kitchen_from_float
 from support.lora_files import LINEARS, build_lora, from_diffusers_names, kohya, linear_shape

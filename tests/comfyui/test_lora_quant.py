@@ -16,8 +16,8 @@ import comfy.model_management
 import comfy.sd
 import comfy.utils
 
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from ringswap.lora.apply import apply_lora
 from support.lora_files import build_lora
 from support.quant_files import (QUANT_LINEARS, dequantized_state_dict, original_state_dict,
@@ -229,7 +229,7 @@ def test_kitchen_tensor_fold_op(layout_cls):
     Linear holds one, on the block's packed bytes, through the layout the engine uses."""
     from comfy_kitchen.tensor import QuantizedTensor
 
-    import ringswap.model_file.quant  # noqa: F401 - registers the codecs
+    import ringswap.loaders.model_file.quant  # noqa: F401 - registers the codecs
     from ringswap.lora.checks import attr_index
     from ringswap.lora.fold_ops import KitchenOp, ScaledFp8Op, make_op
     from ringswap.swap.layout import BlockLayout

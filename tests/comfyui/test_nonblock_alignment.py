@@ -7,10 +7,10 @@ import torch
 
 import comfy.model_management
 
-from ringswap.comfyui_adapter import comfy_features as features
-from ringswap.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.model_file.safetensors_index import SafetensorsIndex
-from ringswap.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.loaders.comfyui_adapter import comfy_features as features
+from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+from ringswap.loaders.model_file.safetensors_index import SafetensorsIndex
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from support.quant_files import file_offset, write_misaligned_quant_wan
 from wan_model import forward, inputs, load_stock
 

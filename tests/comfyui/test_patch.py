@@ -7,7 +7,7 @@ import torch
 import comfy.model_management
 import nodes as comfy_nodes
 
-from ringswap.comfyui_adapter.swap_patcher import SwapModelPatcher
+from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher
 from ringswap.nodes.patch import RingSwapPatch
 from wan_model import BLOCKS, conditioning, forward, inputs, latent, load_stock, tiny_wan
 

@@ -14,7 +14,7 @@ import torch
 import comfy.model_management
 import nodes as comfy_nodes
 
-from ringswap.comfyui_adapter import run_plan
+from ringswap.loaders.comfyui_adapter import run_plan
 from ringswap.nodes.patch import RingSwapPatch
 from ringswap.swap import ResidencyPlan
 from ringswap.swap.planner import NotEnoughVRAM

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ringswap.model_file.safetensors_index import SafetensorsError, SafetensorsIndex, TensorInfo
+from ringswap.loaders.model_file.safetensors_index import SafetensorsError, SafetensorsIndex, TensorInfo
 
 
 def _tensors():

@@ -1,4 +1,4 @@
-"""The live block-map message (comfyui_adapter/live_payload.py) and its throttle (comfyui_adapter/live_feed.py).
+"""The live block-map message (loaders/comfyui_adapter/live_payload.py) and its throttle (loaders/comfyui_adapter/live_feed.py).
 
 A 200-block model of tiny linear blocks runs on the CPU engine with a LiveFeed as its
 observer: with a subscribed client at most 10 messages go out in any second, each a
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from ringswap.comfyui_adapter import live_feed
-from ringswap.comfyui_adapter.live_payload import CODES, block_map, live_payload
+from ringswap.loaders.comfyui_adapter import live_feed
+from ringswap.loaders.comfyui_adapter.live_payload import CODES, block_map, live_payload
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 
 BLOCKS = 200
@@ -96,7 +96,7 @@ def test_no_server_no_subscribers():
 
 def test_step_lookup_finds_the_call_in_the_schedule():
     """The step of a model call: its noise level's index in the sampler's sigmas."""
-    from ringswap.comfyui_adapter.live_feed import StepLookup
+    from ringswap.loaders.comfyui_adapter.live_feed import StepLookup
     sigmas = torch.tensor([14.6, 7.0, 3.1, 1.2, 0.0])
     assert [StepLookup(sigmas[i:i + 1].clone(), sigmas).step() for i in range(4)] == [0, 1, 2, 3]
     assert StepLookup(torch.tensor([[3.05]]), sigmas).step() == 2   # a batch: its first entry

@@ -31,7 +31,7 @@ def load_stock(path):
 
 def load_static(path, model_options=None):
     """ComfyUI's static load of `path`: what --disable-dynamic-vram (or a CPU) gives."""
-    from ringswap.comfyui_adapter import comfy_features as features
+    from ringswap.loaders.comfyui_adapter import comfy_features as features
     kwargs = {"disable_dynamic": True} if features.has_arg(comfy.sd.load_diffusion_model, "disable_dynamic") else {}
     with features.static_construction():
         return comfy.sd.load_diffusion_model(path, model_options=model_options or {}, **kwargs)
@@ -42,7 +42,7 @@ def static_twin(patcher):
     MODEL came from; any other MODEL itself. Under dynamic VRAM ComfyUI patches LoRAs at
     use in the compute dtype and never stores patched weights: weight-level references
     come from the static twin, outputs from the dynamic MODEL."""
-    from ringswap.comfyui_adapter import comfy_features as features
+    from ringswap.loaders.comfyui_adapter import comfy_features as features
     if not features.is_dynamic(patcher):
         return patcher
     return load_static(*features.source_file(patcher))

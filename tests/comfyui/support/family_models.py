@@ -23,7 +23,7 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
 
-from ringswap.comfyui_adapter import comfy_features as features
+from ringswap.loaders.comfyui_adapter import comfy_features as features
 
 WEIGHT_STD = 0.02
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]

@@ -22,9 +22,9 @@ import torch
 
 import comfy.patcher_extension
 
-from ..swap.plan import ResidencyPlan
-from ..swap.planner import PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
-from ..swap.recovery import run_call
+from ...swap.plan import ResidencyPlan
+from ...swap.planner import PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
+from ...swap.recovery import run_call
 from . import comfy_features as features
 from . import live_feed, ram_room
 from .run_state import swap_state_on

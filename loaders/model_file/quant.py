@@ -20,7 +20,7 @@ import json
 import torch
 from torch import nn
 
-from ..swap.layout import register_codec
+from ...swap.layout import register_codec
 
 try:
     import comfy.quant_ops as comfy_quant_ops

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from ..swap.plan import ResidencyPlan
-from ..swap.ram_plan import RamSplit, split_ram
+from ...swap.plan import ResidencyPlan
+from ...swap.ram_plan import RamSplit, split_ram
 from . import comfy_features as features
 
 log = logging.getLogger("ringswap.ram_room")

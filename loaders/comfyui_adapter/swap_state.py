@@ -9,8 +9,8 @@ import re
 import comfy.model_patcher
 from torch import nn
 
-from ..swap import BlockSwapEngine
-from ..swap.layout import BlockLayout
+from ...swap import BlockSwapEngine
+from ...swap.layout import BlockLayout
 from .block_lists import find_block_lists, nonblock_bytes
 from .run_state import swap_state_on
 

@@ -21,10 +21,10 @@ import torch
 import comfy.model_management
 import comfy.model_patcher
 
-from ..lora.fold import block_folder
-from ..swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
-from ..swap.host_pool import set_pin_budget
-from ..swap.planner import NotEnoughVRAM, keep_attached
+from ...lora.fold import block_folder
+from ...swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
+from ...swap.host_pool import set_pin_budget
+from ...swap.planner import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
 from . import live_feed, ram_room, run_plan
 from .run_state import RunState
@@ -42,7 +42,7 @@ class SwapSettings:
     prefetch: int = 1
     pin_memory: str = "auto"
     vram_budget_gb: float = 0.0   # VRAM this model may use in all (weights + activations); 0 = what is free
-    ram_budget_gb: float = 0.0    # home=auto: host RAM for block homes; 0 = what is available (comfyui_adapter/ram_room.py)
+    ram_budget_gb: float = 0.0    # home=auto: host RAM for block homes; 0 = what is available (loaders/comfyui_adapter/ram_room.py)
 
     def __post_init__(self):
         if self.window < 0:

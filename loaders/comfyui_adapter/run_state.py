@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..lora.fold import BlockFolder
-    from ..swap.planner import WindowPlan
+    from ...lora.fold import BlockFolder
+    from ...swap.planner import WindowPlan
     from .run_plan import RunRequest
     from .swap_state import SwapState
 

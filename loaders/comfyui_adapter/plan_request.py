@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import comfy.model_management
 
-from ..swap.planner import PlanInputs, WindowPlan, plan_step
+from ...swap.planner import PlanInputs, WindowPlan, plan_step
 from . import comfy_features as features
 from .run_plan import tokens
 from ..model_file.safetensors_index import SafetensorsIndex

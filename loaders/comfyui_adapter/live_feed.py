@@ -17,7 +17,7 @@ import torch
 
 import comfy.utils
 
-from ..swap import BlockSwapEngine
+from ...swap import BlockSwapEngine
 from . import comfy_features as features
 from .live_payload import live_payload
 

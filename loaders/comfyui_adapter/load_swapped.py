@@ -18,8 +18,8 @@ from typing import Callable
 
 import comfy.model_patcher
 
-from ..swap import BlockSwapEngine
-from ..swap.host_pool import mapped_allocations
+from ...swap import BlockSwapEngine
+from ...swap.host_pool import mapped_allocations
 from . import comfy_features as features
 from ..model_file.block_reader import BlockReader, file_identity
 from ..model_file.block_source import BlockSource

@@ -18,8 +18,8 @@ import torch
 
 from torch import nn
 
-from ..swap.host_pool import mapped_bytes
-from ..swap.layout import BlockBinding, BlockLayout
+from ...swap.host_pool import mapped_bytes
+from ...swap.layout import BlockBinding, BlockLayout
 from .block_reader import BlockReader
 from .safetensors_index import SafetensorsIndex
 
