@@ -176,7 +176,7 @@ class BlockSwapEngine:
                 if report is not None:
                     report(read_back, 0)
             att.copier.synchronize()
-            home.settle(self.home, self.states, self.pool, att, file_streamed)
+            home.settle(self.home, self.states, self.pool, att)
             if plan.streamed:
                 self._hook_streamed(att)
             self.att = att

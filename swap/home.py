@@ -70,12 +70,13 @@ def capture(states: list, pool: HostPool) -> None:
         s.binding.bind(s.layout.views(buf.flat))
 
 
-def settle(kind: str, states: list, pool: HostPool, att, file_streamed: list[int]) -> None:
+def settle(kind: str, states: list, pool: HostPool, att) -> None:
     """After an attachment's placement: how its streamed copies leave host memory (page-locking
     the RAM homes that stream; "disk" where all come from the file), and for home=auto
     (`kind`) no host copy of a resident block."""
     keep, plan = att.ram_homes, att.plan
     from_ram = [i for i in plan.streamed if i in keep]
+    file_streamed = len(from_ram) < len(plan.streamed)
     att.memory = "disk" if kind == "disk" or (file_streamed and not from_ram) else \
         copy_memory(states, pool, att.device, from_ram, att.pin_memory)
     if kind == "auto":

@@ -177,7 +177,7 @@ class HostPool:
 
     def __init__(self) -> None:
         self.blocks: dict[int, HostBuffer] = {}
-        self.pinned_s = (0, 0.0)   # bytes page-locked so far and the seconds it took (its rate)
+        self.pin_rate = (0, 0.0)   # (bytes page-locked so far, the seconds that took): the rate
 
     def add(self, index: int, nbytes: int) -> HostBuffer:
         buf = HostBuffer(nbytes)
@@ -204,13 +204,13 @@ class HostPool:
                 self.unpin_all()
                 return False
         if todo:
-            done, secs = self.pinned_s
-            self.pinned_s = (done + sum(b.nbytes for b in todo), secs + time.perf_counter() - t0)
+            done, secs = self.pin_rate
+            self.pin_rate = (done + sum(b.nbytes for b in todo), secs + time.perf_counter() - t0)
         return True
 
     def pin_seconds(self, nbytes: int) -> float:
         """Seconds page-locking `nbytes` more would take, at the rate measured so far."""
-        done, secs = self.pinned_s
+        done, secs = self.pin_rate
         return nbytes * secs / done if done and secs > 0 else nbytes / PIN_GUESS
 
     def unpin_all(self) -> None:

@@ -56,13 +56,18 @@ class ResidencyPlan:
         even = ResidencyPlan.make(self.num_blocks, window, prefetch)
         if not even.streamed or not self.streamed:
             return even
-        n, resident = self.num_blocks, set(self.resident)
-        while len(resident) > len(even.resident):
-            resident.remove(min(sorted(resident), key=lambda r: _run_around(n, resident, r)))
-        while len(resident) < len(even.resident):
-            start, length = max(_streamed_runs(n, resident), key=lambda run: run[1])
-            resident.add((start + length // 2) % n)
-        return ResidencyPlan(n, window, prefetch, tuple(sorted(resident)),
+        n, resident = self.num_blocks, sorted(self.resident)
+        while len(resident) > len(even.resident):   # drop the block whose neighbouring gaps are shortest
+            gap = _gaps(n, resident)
+            resident.pop(min(range(len(resident)), key=lambda k: gap[k - 1] + gap[k]))
+        while len(resident) < len(even.resident):   # fill the middle of the longest gap
+            if not resident:
+                resident = [n // 2]
+                continue
+            gap = _gaps(n, resident)
+            k = max(range(len(gap)), key=gap.__getitem__)
+            resident = sorted(resident + [(resident[k] + 1 + gap[k] // 2) % n])
+        return ResidencyPlan(n, window, prefetch, tuple(resident),
                              tuple(i for i in range(n) if i not in resident))
 
     def describe(self) -> str:
@@ -72,20 +77,7 @@ class ResidencyPlan:
                 f"{self.ring_slots} slots")
 
 
-def _streamed_runs(n: int, resident: set[int]) -> list[tuple[int, int]]:
-    """(first block, length) of each run of streamed blocks between resident ones, wrapping."""
-    if not resident:
-        return [(0, n)]
-    marks = sorted(resident)
-    return [(r + 1, (nxt - r - 1) % n) for r, nxt in zip(marks, marks[1:] + [marks[0] + n])
-            if (nxt - r - 1) % n]
 
-
-def _run_around(n: int, resident: set[int], r: int) -> int:
-    """Length of the streamed run that dropping resident block `r` would make."""
-    marks = sorted(resident)
-    k = marks.index(r)
-    before, after = marks[k - 1], marks[(k + 1) % len(marks)]
-    if len(marks) == 1:
-        return n
-    return (after - before - 1) % n
+def _gaps(n: int, resident: list[int]) -> list[int]:
+    """Streamed blocks after each (sorted) resident block up to the next, wrapping."""
+    return [(nxt - r - 1) % n for r, nxt in zip(resident, resident[1:] + [resident[0] + n])]

@@ -290,16 +290,16 @@ def replan_with_rates(plan: WindowPlan, compute_s: float, link_bytes_per_s: floa
 
 def keep_attached(new: WindowPlan, attached: ResidencyPlan, ran_here: bool) -> WindowPlan | None:
     """The plan to run with while `attached` is on the device, given this run's plan `new`:
-    `new` when they match (its resident blocks when they have the same shape); for an automatic plan that ran this latent size last time with no
-    more memory than now (`ran_here`), the attached residency when it is past the room by the
-    numbers (the first run's own start-up allocations, e.g. kernels, came out of the free
-    memory) or its copies hide under compute (a larger window saves little per step, placing
-    the blocks again costs seconds); None when the blocks must be placed again."""
+    `new` taken nearest the attached blocks (ResidencyPlan.reshaped) when that is the attached
+    plan (e.g. one re-planned mid-run); for an automatic plan that ran this latent size last
+    time with no more memory than now (`ran_here`), the attached residency when it is past the
+    room by the numbers (the first run's own start-up allocations, e.g. kernels, came out of
+    the free memory) or its copies hide under compute (a larger window saves little per step,
+    placing the blocks again costs seconds); None when the blocks must be placed again."""
+    if attached.num_blocks == new.residency.num_blocks:
+        new = _near(new, attached)
     if new.residency == attached:
         return new
-    r = new.residency
-    if (attached.num_blocks, attached.window, attached.prefetch) == (r.num_blocks, r.window, r.prefetch):
-        return _near(new, attached)   # the same shape, e.g. re-planned mid-run: nothing to move
     if not (new.automatic and ran_here) or attached.num_blocks != new.residency.num_blocks:
         return None
     kept = replace(new, residency=attached)
@@ -333,5 +333,8 @@ def _near(new: WindowPlan, current: ResidencyPlan) -> WindowPlan:
     """`new` with the resident blocks nearest `current`'s (ResidencyPlan.reshaped: only the
     difference moves when a run changes plans), where those fit the room as well."""
     r = new.residency
-    near = replace(new, residency=current.reshaped(r.window, r.prefetch))
+    residency = current.reshaped(r.window, r.prefetch)
+    if residency == r:
+        return new
+    near = replace(new, residency=residency)
     return near if near.over_bytes <= new.over_bytes else new

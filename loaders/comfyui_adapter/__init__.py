@@ -1,1 +1,2 @@
-"""The ComfyUI side: the patcher whose blocks stream, run plans, version probes, the live feed and the plan route's file plans. Imports one way: nodes -> comfyui_adapter -> {model_file, lora, swap}."""
+"""The ComfyUI side of loaders/: the patcher whose blocks stream, run plans, version probes,
+the live feed and the plan route's file plans (it imports model_file, lora and swap)."""

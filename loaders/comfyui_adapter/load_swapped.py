@@ -20,12 +20,12 @@ import comfy.model_patcher
 
 from ...swap import BlockSwapEngine
 from ...swap.host_pool import mapped_allocations
-from . import comfy_features as features
 from ..model_file.block_reader import BlockReader, file_identity
 from ..model_file.block_source import BlockSource
 from ..model_file.safetensors_index import SafetensorsIndex
-from .skeleton import build_skeleton
+from . import comfy_features as features
 from .block_lists import ALL_NAMES, find_block_lists
+from .skeleton import build_skeleton
 from .swap_patcher import SwapModelPatcher, SwapSettings
 from .swap_state import SwapState
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import comfy.model_management
 
 from ...swap.planner import PlanInputs, WindowPlan, plan_step
-from . import comfy_features as features
-from .run_plan import tokens
 from ..model_file.safetensors_index import SafetensorsIndex
-from .skeleton import build_skeleton
+from . import comfy_features as features
 from .block_lists import ALL_NAMES, find_block_lists, nonblock_bytes
+from .run_plan import tokens
+from .skeleton import build_skeleton
 
 GB = 1e9
 _CACHE: "collections.OrderedDict[tuple, FileFacts]" = collections.OrderedDict()

@@ -19,9 +19,9 @@ import comfy.model_detection
 import comfy.model_management
 import comfy.utils
 
-from . import comfy_features as features
 from ..model_file.quant import build_quantized_blocks, comfy_quant_layers, declare_fp8_layers
 from ..model_file.safetensors_index import SafetensorsIndex
+from . import comfy_features as features
 
 log = logging.getLogger("ringswap.skeleton")
 
