@@ -12,7 +12,8 @@ Kinds of configuration:
   auto       RingSwap Model Loader, home auto (RAM for the streamed blocks as the free RAM allows)
   disk       RingSwap Model Loader, home disk, page cache dropped before the load and
              before every workload
---experts 2 (loader, auto, disk): Wan 2.2 style, two models loaded apart from the file, the
+--experts 2 (loader, auto, disk): Wan 2.2 style, two models loaded apart from the file (a first
+prompt loads both; the next prompt's two first steps are the expert switches timed), the
 first sampling the first half of the steps and the second the rest; the switch and each
 expert's pinned bytes are reported. Per workload: the first step apart, the mean of the rest (common.steady_s), RingSwap's log lines;
 with --rerun, one more sampling run of 1 + --rerun-steps steps (the next prompt: its first step,
@@ -218,6 +219,9 @@ def child(a) -> dict:
         row = {"tokens": tokens}
         seen = len(log.lines)
         try:
+            if how == "experts":   # the first prompt loads both experts; the next one switches
+                first = time_steps(obj, how, patcher, tokens, 1 + steps, a, dev)
+                row.update(first_prompt_steps=first, first_prompt_switch_s=first[(1 + steps) // 2])
             times = time_steps(obj, how, patcher, tokens, 1 + steps, a, dev)
             row.update(first_step_s=times[0], steps=times, s_per_step=common.steady_s(times) or times[0])
         except torch.OutOfMemoryError as e:
@@ -238,10 +242,10 @@ def child(a) -> dict:
                        h2d_bytes_per_step=copied / n_steps, copy_gbps=copied / copy_s / 1e9 if copy_s else 0.0,
                        read_bytes_per_step=sum(st.bytes_read for st in done) / n_steps)
         row["log"], seen = log.lines[seen:], len(log.lines)
-        if how == "experts" and "error" not in row:   # the second expert's first step holds the switch
+        if how == "experts" and "error" not in row:   # each expert's first step of the next prompt switches
             half = (1 + steps) // 2
             rest = times[1:half] + times[half + 1:]
-            row.update(s_per_step=sum(rest) / len(rest) if rest else None, switch_step_s=times[half],
+            row.update(s_per_step=sum(rest) / len(rest) if rest else None, switch_step_s=max(times[0], times[half]),
                        expert_pinned=[m.swap_engine.pool.pinned_bytes for m in obj],
                        expert_attached=[m.swap_engine.att is not None for m in obj])
         if a.rerun and "error" not in row:   # the next prompt at this size: its first step

@@ -100,7 +100,10 @@ def _note(c: dict, r: dict, link_gbps: float | None) -> str:
     if splits:
         bits.append("home auto: " + splits[-1])
     if r.get("switch_step_s") is not None:
-        bits.append(f"expert switch step {r['switch_step_s']:.2f} s; pinned per expert "
+        first = r.get("first_prompt_switch_s")
+        bits.append(f"expert switch step {r['switch_step_s']:.2f} s"
+                    + (f" (first prompt, loading the second expert: {first:.2f} s)" if first is not None else "")
+                    + "; pinned per expert "
                     + " / ".join(f"{gb(p):.1f}" for p in r["expert_pinned"]) + " GB")
     if r.get("error"):
         bits.append(r["error"][:120])

@@ -30,7 +30,9 @@
 # compare-smoke (floor, ComfyUI 0.33 dynamic, diffusers, RingSwap Patch on 0.33 at 24 GiB, 7,800 tokens).
 # ram-32 (issue "runs on the RAM people have": home=ram with all RAM, then home=auto with a RAM ballast
 # leaving 32 GB, at 24 and 12 GiB, bf16, 7,800 tokens, ~6 min), experts-64 / experts-fp8-32 (two experts,
-# home=auto, 24 GiB, bf16 with 64 GB / scaled fp8 with 32 GB, ~3 min each), cfg5-first (the cfg 5, 12 GiB,
+# home=auto, 24 GiB, bf16 with 64 GB / scaled fp8 with 32 GB, two prompts: the second's switches, ~4 min
+# each), read-probe (bench/read_probe.py: BlockReader buffered and O_DIRECT at 1-8 workers against the
+# disk's O_DIRECT rate, 6 GB each, ~2 min with the file's write), cfg5-first (the cfg 5, 12 GiB,
 # halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps, beside ComfyUI resident: the re-plan by
 # measured rates, ~3.5 min).
 # gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~1.5 min each);
@@ -113,9 +115,10 @@ for p in "$@"; do
     compare-smoke) compare smoke 300 --configs floor diffusers rs-patch-0.33-dyn --caps 24 --tokens 7800 ;;
     ram-32) compare ram_ref 200 --tokens 7800 --configs rs-loader-0.3.75 --caps 24 12
             compare ram_32 200 --tokens 7800 --configs rs-auto-0.3.75 --caps 24 12 --rams 32 ;;
-    experts-64) compare experts_64 200 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
-    experts-fp8-32) compare experts_fp8_32 200 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
+    experts-64) compare experts_64 260 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
+    experts-fp8-32) compare experts_fp8_32 240 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
                       --rams 32 --experts 2 ;;
+    read-probe) part read_probe 150 0.3.75 0 python3 bench/read_probe.py --gb 6 --json "$OUT/read_probe.json" ;;
     cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
                   --configs comfy-0.3.75@0 rs-patch-0.3.75 ;;
     live-033) part live_033 150 0.33 "" python3 bench/live_overhead.py --json "$OUT/live_033.json" ;;
