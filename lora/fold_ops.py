@@ -42,9 +42,6 @@ NVFP4_MAX = 448.0 * 6.0                # fp8 e4m3 max * e2m1 max
 _string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
 
 
-FUSED_DEVICES = {"cuda"}   # device types where plain LoRA pairs fold with a fused addmm_
-
-
 def _lora_pairs(patches) -> list[tuple] | None:
     """[(up, down, scale)] when every patch is a plain LoRA pair on the whole weight."""
     pairs = []
@@ -73,6 +70,8 @@ class FoldOp:
     dtype. Quantized weights with plain LoRA pairs fold through lora/kernels.py on CUDA, the
     same math summed in another order. On the CPU the fold follows ComfyUI's steps exactly."""
 
+    fused_devices = frozenset({"cuda"})   # device types where plain LoRA pairs fold with a fused addmm_
+
     def __init__(self, key: str, patches):
         self.key = key
         self.patches = list(patches)   # what comfy.lora.calculate_weight takes (it does not modify it)
@@ -81,7 +80,7 @@ class FoldOp:
 
     def fused(self, w: torch.Tensor) -> bool:
         """Does `w` fold with the fused addmm_ (plain LoRA pairs, CUDA, float dtype)?"""
-        return (self.pairs is not None and w.device.type in FUSED_DEVICES and w.dim() == 2
+        return (self.pairs is not None and w.device.type in self.fused_devices and w.dim() == 2
                 and w.dtype in FUSED_DTYPES)
 
     def add_delta(self, w: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from ringswap.lora.fold import BlockFolder
 from ringswap.nodes.lora import RingSwapLoRA, RingSwapLoRAStack
 from ringswap.nodes.patch import RingSwapPatch
+from support.fold_probe import FoldProbe
 from support.lora_files import (FORMATS, build_lora, from_diffusers_names, other_arch_lora,
                                 write_lora)
 from wan_model import conditioning, forward, inputs, latent, load_stock, patched_weights, tiny_wan
@@ -95,49 +96,6 @@ def same_as_comfyui(got: torch.Tensor, want: torch.Tensor) -> bool:
     if comfy.model_management.get_torch_device().type == "cpu":   # sampled latents come back on the CPU
         return torch.equal(got, want)
     return ((got.float() - want.float()).norm() / want.float().norm()).item() <= 1e-3
-
-
-def close_in_ulps(got: torch.Tensor, want: torch.Tensor, ulps: int) -> bool:
-    if ulps == 0 or not want.dtype.is_floating_point:
-        return torch.equal(got, want)
-    # in units of the tensor's largest magnitude: where base and delta nearly cancel, the
-    # result is tiny but both foldings round at the operands' scale
-    w = want.float()
-    tol = ulps * torch.finfo(want.dtype).eps * w.abs().max()
-    return bool(((got.float() - w).abs() <= tol).all())
-
-
-class FoldProbe:
-    """Inside every block (after the engine bound its landed weights), compares each
-    patched block weight with ComfyUI's patched weight; counts checks per block."""
-
-    def __init__(self, model, expected: dict, ulps: int | None = None):
-        # 0: bit-exact (the CPU follows ComfyUI's steps); on CUDA plain LoRA pairs fold with
-        # a fused addmm_, within one unit in the last place (lora/fold_ops.py)
-        self.ulps = (1 if torch.cuda.is_available() else 0) if ulps is None else ulps
-        self.engine = model.swap_engine
-        self.checks = [0] * self.engine.num_blocks
-        self.bad: list[str] = []
-        keys = model.swap_state.block_keys
-        self.per_block = {i: [(k[len(p):], w) for k, w in expected.items() if k.startswith(p)]
-                          for i, p in enumerate(keys)}
-        assert all(self.per_block.values()), "every block must have patched weights in this test"
-        self.handles = [s.block.norm1.register_forward_pre_hook(self._hook(s.index, s.block))
-                        for s in self.engine.states]
-
-    def _hook(self, i, block):
-        def check(module, args):
-            for sub, want in self.per_block[i]:
-                path, _, name = sub.rpartition(".")
-                got = getattr(block.get_submodule(path) if path else block, name)
-                if not close_in_ulps(got.detach(), want, self.ulps):
-                    self.bad.append(f"block {i} {sub}")
-            self.checks[i] += 1
-        return check
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
 
 
 def apply_node(model, name, strength=1.0):

@@ -5,7 +5,7 @@ import torch
 
 from ringswap.lora import kernels
 from ringswap.lora.fold_ops import MIN_SCALE, NVFP4_MAX, KitchenOp, ScaledFp8Op, kitchen_from_float
-from test_lora_quant import assert_fp8_close
+from support.fp8_close import assert_fp8_close
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

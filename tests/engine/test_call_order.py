@@ -11,7 +11,7 @@ from torch import nn
 
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 from ringswap.swap.call_order import CallOrder
-from test_engine import Block, FileLike
+from toy_blocks import Block, FileLike
 
 MAIN, SIDE = 6, 2
 AFTER = {0: 0, 3: 1}          # side block k runs after main block i, once per context

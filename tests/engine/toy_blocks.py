@@ -1,0 +1,70 @@
+"""Toy blocks for the engine's tests: a small residual block, a list of them, and a file-like
+source that reads packed blocks on worker threads as the loader's BlockReader does."""
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from ringswap.swap.layout import BlockBinding, BlockLayout
+
+N = 7
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.lin = nn.Linear(32, 32)
+        self.register_buffer("gain", torch.randn(32))
+
+    def forward(self, x):
+        return x + self.lin(self.norm(x)) * self.gain
+
+
+def make_blocks():
+    torch.manual_seed(0)
+    return nn.ModuleList([Block() for _ in range(N)])
+
+
+class FileLike:
+    """Blocks packed as bytes, read on worker threads like the loader's BlockReader."""
+
+    def __init__(self, blocks, delay=0.0):
+        self.flats = {}
+        for i, b in enumerate(blocks):
+            layout = BlockLayout.of(b)
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+            layout.pack(BlockBinding(b, layout).current(), flat)
+            self.flats[i] = flat
+        self.pool = ThreadPoolExecutor(2)
+        self.delay = delay
+        self.reads = 0
+        self.broken = False
+        self.in_flight = self.most_in_flight = 0
+        self.lock = threading.Lock()
+
+    def read(self, i, dest):
+        def job():
+            with self.lock:
+                self.in_flight += 1
+                self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            try:
+                time.sleep(self.delay)
+            finally:
+                with self.lock:
+                    self.in_flight -= 1
+            if self.broken:
+                raise OSError(f"block {i}: file ended early")
+            dest.copy_(self.flats[i][:dest.numel()])
+            self.reads += 1
+            return dest.numel()
+        return self.pool.submit(job)
+
+
+def run(blocks, x):
+    with torch.no_grad():
+        for b in blocks:
+            x = b(x)
+    return x
