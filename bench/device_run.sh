@@ -71,9 +71,9 @@ for p in "$@"; do
     suite) part suite 260 0.3.75 0 "${pytest[@]}" ;;
     suite-033) part suite_033 270 0.33 0 "${pytest[@]}" ;;
     suite-033-dyn) part suite_033_dyn 290 0.33 1 "${pytest[@]}" ;;
-    gpu) part gpu 150 0.3.75 0 "${pytest[@]}" -m gpu ;;
-    gpu-033) part gpu_033 150 0.33 0 "${pytest[@]}" -m gpu ;;
-    gpu-033-dyn) part gpu_033_dyn 150 0.33 1 "${pytest[@]}" -m gpu ;;
+    gpu) part gpu 150 0.3.75 0 "${pytest[@]}" tests/engine -m gpu ;;
+    gpu-033) part gpu_033 150 0.33 0 "${pytest[@]}" tests/engine -m gpu ;;
+    gpu-033-dyn) part gpu_033_dyn 150 0.33 1 "${pytest[@]}" tests/engine -m gpu ;;
     dyn-bench) part dyn_bench 470 0.33 "" python3 bench/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
     auto-033-dyn) part auto_033_dyn 420 0.33 1 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16_033dyn.json" ;;
     auto-fp8-033-dyn) part auto_fp8_033_dyn 330 0.33 1 python3 bench/auto_window.py --format scaled_fp8 \

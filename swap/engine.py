@@ -289,14 +289,13 @@ class BlockSwapEngine:
             self._issue(block, slot)
         if slot.reading:
             att.file.finish(slot, wait=True)
-        att.copier.compute_wait(slot.ready)
+        waited = att.copier.compute_wait(slot.ready)
         s = self.states[block]
         s.slot = slot
-        views = slot.views(s.layout)
         if att.on_land is not None and not slot.landed:
-            att.copier.timed_compute(att.on_land, block, views)
+            att.copier.landed(att.on_land, block, slot.views(s.layout), since=(waited, slot.ready))
         slot.landed = True
-        s.binding.bind(views)   # joined afresh: ComfyUI's quantized tensors keep state from their last use
+        s.binding.bind_joined(slot.joined(s.layout))
         att.stats.forwards += 1
         if self.observer is not None:
             self.observer()

@@ -24,6 +24,11 @@ def _align(n: int) -> int:
 
 
 class TensorCodec(Protocol):
+    fresh_join: bool
+    """True: the packed tensor may hold converted copies of its parts (made when joined or
+    used), so it is joined afresh at every bind; False: one joined tensor per ring slot
+    serves every block that lands there (its parts are views of the slot)."""
+
     def split(self, t: torch.Tensor, name: str) -> tuple[Any, list[tuple[str, torch.Tensor]]]:
         """(spec, [(file attribute name, inner plain tensor), ...]) of the packed tensor
         held by module attribute `name` (e.g. [("weight", data), ("weight_scale", s)])."""
@@ -96,17 +101,18 @@ class BlockLayout:
         for view, t in zip(self.views(flat), tensors):
             view.copy_(t)
 
-    def joined(self, tensors: list[torch.Tensor]) -> list:
+    def joined(self, tensors: list[torch.Tensor], before: list | None = None) -> list:
         """What the block's modules hold for `tensors` (one per entry), per attribute: the
         entry's tensor, or the packed tensor joined from its entries (an nn.Parameter for a
-        parameter). Placeholders keep theirs (joining packed tensors costs more host time
-        than the rest of a block's swap); weights that compute are joined afresh at every
-        bind, as ComfyUI 0.3.75's QuantizedTensor replaces its scale with a converted copy
-        when used."""
+        parameter). `before`: what an earlier call returned for the same `tensors`; its
+        packed tensors are kept where their codec allows (not `fresh_join`)."""
         out = []
-        for a in self.attrs:
+        for k, a in enumerate(self.attrs):
             if a.codec is None:
                 out.append(tensors[a.entries[0]])
+                continue
+            if before is not None and not a.codec.fresh_join:
+                out.append(before[k])
                 continue
             t = a.codec.join(a.spec, [tensors[i] for i in a.entries])
             out.append(nn.Parameter(t, requires_grad=False) if a.is_param else t)

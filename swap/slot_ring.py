@@ -26,11 +26,18 @@ class Slot:
     reading: bool = False                 # the owner comes from the file and is not copied yet
     landed: bool = False                  # on_land has run for the current owner
     _views: dict = field(default_factory=dict)
+    _joined: dict = field(default_factory=dict)
 
     def views(self, layout: BlockLayout) -> list[torch.Tensor]:
         v = self._views.get(layout)
         if v is None:
             v = self._views[layout] = layout.views(self.flat)
+        return v
+
+    def joined(self, layout: BlockLayout) -> list:
+        """What a block of `layout` landed here binds (BlockLayout.joined over this slot's views),
+        its packed tensors kept from the last block where their codec allows."""
+        v = self._joined[layout] = layout.joined(self.views(layout), self._joined.get(layout))
         return v
 
 

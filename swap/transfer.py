@@ -4,9 +4,13 @@ On CUDA every copy runs on a side stream: it first waits (GPU-side) for the even
 says its destination slot is free, then records an event that the compute stream waits
 on before the block runs. The host never synchronises in the block loop. On a CPU
 "device" the same calls copy inline, so the engine's logic runs unchanged in CI.
-Copy and wait times are measured with timing events, read once per run; events whose work
-is done are folded into running totals as they pile up, so a long run holds a few, not one
-pair per copy.
+
+Measuring takes one event per streamed block beyond the ones that order the streams (the
+compute stream's mark before it waits), a second where the host issues the copy late
+(staged, or after a read: its start) and on one landing in LAND_SAMPLE with on-land work
+(its end). A copy lasts from the later of the previous copy's end and its slot's free
+event (or its own start) to its end; a stall from the mark to the copy's end. Finished
+events are folded into running totals as they pile up, so a run holds a few, not one per copy.
 """
 from __future__ import annotations
 
@@ -15,37 +19,51 @@ import time
 import torch
 
 
-FOLD_AT = 64   # pairs held before the finished ones are folded into a total
+FOLD_AT = 64       # measurements held before the finished ones are folded into a total
+LAND_SAMPLE = 8    # one landing in this many has its on-land work (LoRA fold) timed
+
+
+def _seconds(m: tuple) -> float:
+    """A measurement's seconds: (seconds,) on the CPU, else (end, *starts) events: from the
+    latest start to the end, never below zero."""
+    if len(m) == 1:
+        return m[0]
+    end, starts = m[0], [e for e in m[1:] if e is not None]
+    return max(0.0, min(e.elapsed_time(end) for e in starts) / 1000.0)
+
+
+def _finished(m: tuple) -> bool:
+    return len(m) == 1 or all(e is None or e.query() for e in m)
 
 
 class Timings:
-    """Device (or host) durations: (start, end) timing events, or (seconds,) on the CPU.
-    `total` keeps only a running sum (finished pairs are folded in once FOLD_AT are held);
-    otherwise each duration is kept (a run's few model calls and folds)."""
+    """Durations: (seconds,) on the CPU or (end, *starts) timing events (see `_seconds`).
+    `total` keeps only a running sum (finished ones are folded in once FOLD_AT are held);
+    otherwise each duration is kept (a run's few model calls and sampled folds)."""
 
     def __init__(self, total: bool):
-        self.pairs: list[tuple] = []
+        self.held: list[tuple] = []
         self.summed = total
         self.done: list[float] = []
         self.sum = 0.0
 
-    def add(self, pair: tuple) -> None:
-        self.pairs.append(pair)
-        if self.summed and len(self.pairs) >= FOLD_AT:
+    def add(self, m: tuple) -> None:
+        self.held.append(m)
+        if self.summed and len(self.held) >= FOLD_AT:
             self._fold(finished_only=True)
 
     def _fold(self, finished_only: bool) -> None:
         k = 0
-        for p in self.pairs:
-            if finished_only and len(p) == 2 and not p[1].query():
+        for m in self.held:
+            if finished_only and not _finished(m):
                 break
-            d = p[0] if len(p) == 1 else p[0].elapsed_time(p[1]) / 1000.0
+            d = _seconds(m)
             if self.summed:
                 self.sum += d
             else:
                 self.done.append(d)
             k += 1
-        del self.pairs[:k]
+        del self.held[:k]
 
     def take(self):
         """The total (or the durations) since the last take; the events must be finished."""
@@ -55,64 +73,81 @@ class Timings:
         return out
 
 
+def _timing_event() -> "torch.cuda.Event":
+    return torch.cuda.Event(enable_timing=True)
+
+
 class CopyStream:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._copies = Timings(total=True)    # (start, end) events, or seconds on CPU
+        self._copies = Timings(total=True)
         self._waits = Timings(total=True)
-        self._lands = Timings(total=False)    # each on-land's (LoRA fold's) time
-        self._calls = Timings(total=False)    # (start, end) of each model call on the compute stream
+        self._lands = Timings(total=False)    # sampled on-land (LoRA fold) times
+        self._calls = Timings(total=False)    # each model call on the compute stream
         self._call_start = None
+        self._last_copy = None                # the copy stream's latest end event
+        self._landings = 0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None"):
-        """Copy src into dst once `after` has happened; returns the event of completion."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None", late: bool = False):
+        """Copy src into dst once `after` has happened; returns the event of completion.
+        `late`: the host issues this copy after its own work (a staged copy or a read), so it
+        is timed from a start event of its own, not from what the stream did before."""
         if not self.cuda:
             t0 = time.perf_counter()
             dst.copy_(src)
             self._copies.add((time.perf_counter() - t0,))
             return None
         with torch.cuda.stream(self.stream):
+            start = None
             if after is not None:
                 self.stream.wait_event(after)
-            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
+            if late or (after is None and self._last_copy is None):   # nothing to time it from
+                start = _timing_event()
+                start.record(self.stream)
             dst.copy_(src, non_blocking=True)
+            done = _timing_event()
             done.record(self.stream)
-        self._copies.add((start, done))
+        self._copies.add((done, start) if start is not None else (done, self._last_copy, after))
+        self._last_copy = done
         return done
 
-    def compute_wait(self, ready: "torch.cuda.Event | None") -> None:
-        """Make the current (compute) stream wait for a copy, measuring the stall."""
+    def compute_wait(self, ready: "torch.cuda.Event | None") -> "torch.cuda.Event | None":
+        """Make the current (compute) stream wait for a copy, measuring the stall; returns
+        the mark recorded before the wait (None: nothing waited for, or the CPU)."""
         if ready is None:
-            return
+            return None
         stream = torch.cuda.current_stream(self.device)
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before = _timing_event()
         before.record(stream)
         stream.wait_event(ready)
-        after.record(stream)
-        self._waits.add((before, after))
+        self._waits.add((ready, before))
+        return before
 
-    def timed_compute(self, fn, *args) -> None:
-        """Run `fn(*args)` (work on the compute stream) and measure its device time."""
+    def landed(self, fn, *args, since: tuple = ()) -> None:
+        """Run the on-land work `fn(*args)` on the compute stream; time one landing in
+        LAND_SAMPLE, from the latest of `since` (the events it waited for) to its end."""
+        timed = self._landings % LAND_SAMPLE == 0
+        self._landings += 1
         if not self.cuda:
             t0 = time.perf_counter()
             fn(*args)
-            self._lands.add((time.perf_counter() - t0,))
+            if timed:
+                self._lands.add((time.perf_counter() - t0,))
             return
-        stream = torch.cuda.current_stream(self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
         fn(*args)
-        end.record(stream)
-        self._lands.add((start, end))
+        if timed and any(e is not None for e in since):
+            end = _timing_event()
+            end.record(torch.cuda.current_stream(self.device))
+            self._lands.add((end, *since))
 
     def record_compute(self) -> "torch.cuda.Event | None":
-        """An event marking the end of the compute enqueued so far."""
+        """An event marking the end of the compute enqueued so far (timing: a copy into the
+        slot it frees starts no earlier)."""
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        event = _timing_event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
@@ -121,12 +156,12 @@ class CopyStream:
         if not self.cuda:
             mark = time.perf_counter()
         else:
-            mark = torch.cuda.Event(enable_timing=True)
+            mark = _timing_event()
             mark.record(torch.cuda.current_stream(self.device))
         if start:
             self._call_start = mark
         elif self._call_start is not None:
-            self._calls.add((mark - self._call_start,) if not self.cuda else (self._call_start, mark))
+            self._calls.add((mark - self._call_start,) if not self.cuda else (mark, self._call_start))
             self._call_start = None
 
     def synchronize(self) -> None:
@@ -142,5 +177,5 @@ class CopyStream:
         copy_s = self._copies.take()
         wait_s = self._waits.take() if self.cuda else copy_s
         lands, calls = self._lands.take(), self._calls.take()
-        self._call_start = None
+        self._call_start = self._last_copy = None
         return copy_s, wait_s, lands, calls

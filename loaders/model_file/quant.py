@@ -39,6 +39,8 @@ KITCHEN_PART_SUFFIX = {"_qdata": "", "block_scale": "_scale", "scale": "_scale_2
 class _ComfyQuantCodec:
     """comfy.quant_ops.QuantizedTensor of ComfyUI 0.3.75: `_qdata` + `_layout_params`."""
 
+    fresh_join = True   # it replaces its scale with a converted copy when used
+
     def split(self, t, name):
         params = t._layout_params
         tensor_keys = tuple(k for k, v in params.items() if isinstance(v, torch.Tensor))
@@ -55,6 +57,8 @@ class _ComfyQuantCodec:
 
 class _KitchenCodec:
     """comfy_kitchen's QuantizedTensor: `_qdata` + a `Params` dataclass."""
+
+    fresh_join = True   # its fp8 and nvfp4 Params hold a float32 copy of a scale stored otherwise
 
     def split(self, t, name):
         p = t._params

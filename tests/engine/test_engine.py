@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
+from ringswap.swap.transfer import LAND_SAMPLE
 
 from toy_blocks import N, FileLike, make_blocks, run
 
@@ -74,8 +75,8 @@ def test_on_land_runs_once_per_landing_before_the_block_computes(home):
                 runs = [k for k, e in enumerate(events) if e == ("run", b)]
                 lands = [k for k, e in enumerate(events) if e == ("fold", b)]
                 assert all(any(f < r for f in lands) for r in runs), (b, events)
-            if stats is not None:   # one fold per landing that computed
-                assert len(stats.land_times) == len(folds)
+            if stats is not None and folds:   # one landing in LAND_SAMPLE has its fold timed
+                assert 1 <= len(stats.land_times) <= len(folds) // LAND_SAMPLE + 1
             engine.detach()
     finally:
         for p in probes:
@@ -299,3 +300,44 @@ def test_disk_home_with_one_staging_buffer_and_slow_reads():
             assert torch.equal(run(blocks, X), ref), prefetch
         engine.end_run()
         engine.detach()
+
+
+class Marked(torch.Tensor):
+    """A packed-tensor stand-in: one part, rebuilt by its codec around the landed bytes."""
+
+
+class MarkedCodec:
+    def __init__(self, fresh_join):
+        self.fresh_join = fresh_join
+        self.joins = 0
+
+    def split(self, t, name):
+        return None, [(name, t.as_subclass(torch.Tensor))]
+
+    def join(self, spec, parts):
+        self.joins += 1
+        return parts[0].as_subclass(Marked)
+
+
+@pytest.mark.parametrize("fresh_join", [True, False])
+def test_packed_tensors_join_afresh_only_where_their_codec_asks(fresh_join):
+    """A codec's packed tensors are rebuilt at every bind when it says `fresh_join`; else one
+    per ring slot serves every block landing there. Both bit-exact."""
+    from ringswap.swap import layout
+    codec = MarkedCodec(fresh_join)
+    layout.register_codec(Marked, codec)
+    try:
+        blocks = make_blocks()
+        want = run(blocks, X)
+        for b in blocks:
+            b.gain = b.gain.as_subclass(Marked)
+        engine = BlockSwapEngine(list(blocks), home="ram")
+        engine.attach("cpu", ResidencyPlan.make(N, 2, 1))
+        codec.joins = 0
+        for _ in range(3):
+            assert torch.equal(run(blocks, X).as_subclass(torch.Tensor), want)
+        streamed = 3 * len(engine.plan.streamed)
+        assert codec.joins == streamed if fresh_join else codec.joins <= len(engine.att.ring.slots)
+        engine.detach()
+    finally:
+        layout._CODECS.pop(Marked)
