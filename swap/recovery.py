@@ -2,7 +2,8 @@
 
 The retry runs the same inputs through the same weights, so its output equals a run at
 the smaller window from the start. The first call of a run also measures the activation
-peak on CUDA (`CallPeak`: it resets CUDA's peak-memory statistics).
+peak on CUDA where the caller asks (`CallPeak`: it empties the allocator's cache and resets
+CUDA's peak-memory statistics, so a call shape measured before is not measured again).
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ def _give_up(engine: BlockSwapEngine, on_change: Callable[[int, int], None], mes
 
 def run_call(engine: BlockSwapEngine, call: Callable[[], T],
              smaller: Callable[[], ResidencyPlan | None],
-             on_change: Callable[[int, int], None]) -> T:
-    """Run one model call on an attached engine. On running out of memory: `smaller()` gives
+             on_change: Callable[[int, int], None], measure_peak: bool = True) -> T:
+    """Run one model call on an attached engine; the first of a run measures its activation
+    peak with `measure_peak`. On running out of memory: `smaller()` gives
     the plan to retry with (None: no smaller plan), the engine re-attaches with
     it, `on_change(old_bytes, new_bytes)` reports the change of block bytes on the device,
     and the call runs once more. A second failure (or none smaller) detaches the engine and
@@ -59,7 +61,7 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
     engine.begin_call()
     cuda = att.device.type == "cuda"
     first = att.stats.calls == 1
-    peak = CallPeak(att.device) if first and cuda else None
+    peak = CallPeak(att.device) if first and cuda and measure_peak else None
     try:
         out = call()
         if peak is not None:

@@ -256,6 +256,15 @@ def _note_first_call(request: RunRequest | None, x) -> None:
         request.conds_per_call = max(1, int(x.shape[0]) // max(1, request.noise_shape[0]))
 
 
+def _peak_known(patcher) -> bool:
+    """Whether an earlier run measured the activation peak of this run's call shape."""
+    request = request_of(patcher) if patcher is not None else None
+    if request is None or not request.conds_per_call:
+        return False
+    m = measured_for(patcher, request, request.conds_per_call)
+    return m is not None and m.activation_peak > 0
+
+
 def _apply_model(executor, *args, **kwargs):
     dm = executor.class_obj.diffusion_model
     state = swap_state_on(dm)
@@ -281,7 +290,8 @@ def _apply_model(executor, *args, **kwargs):
         if patcher is not None and patcher.model.model_loaded_weight_memory:
             patcher.model.model_loaded_weight_memory = max(0, patcher.model.model_loaded_weight_memory - old + new)
 
-    out = run_call(engine, lambda: executor(*args, **kwargs), smaller, on_change)
+    out = run_call(engine, lambda: executor(*args, **kwargs), smaller, on_change,
+                   measure_peak=not _peak_known(patcher))
     if patcher is not None and engine.att is not None and engine.att.stats.calls == RATES_AFTER_CALLS \
             and not engine.att.stats.shrinks:
         replan_by_rates(patcher, on_change)
