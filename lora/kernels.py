@@ -2,7 +2,7 @@
 
 Why our own kernels: neither torch, ComfyUI nor comfy_kitchen has an op that adds low-rank
 products to a quantized weight. Op by op, folding a per-tensor-scaled fp8 weight is five
-float32 passes over the block (about 10% of a Wan-14B block's compute at 480p), so:
+float32 passes over the block (bench/fold.py measures what that costs), so:
 - `fold_fp8_` (per-tensor scaled fp8) and `fold_nvfp4_` (comfy_kitchen's nvfp4 layout) read
   the quantized bytes twice, once for the folded weight's amax and once to requantize in
   place with the fresh scales, recomputing the rank-r product per tile from LoRA factors

@@ -1,8 +1,7 @@
 """The ring of device slots that streamed blocks pass through.
 
 A fixed table of slots; each is owned by at most one block at a time, and the table
-says which (DESIGN.md: the seed's cursor ignored ownership and ran blocks with other
-blocks' weights). A slot is refilled only after the compute stream has passed the
+says which, so no block ever runs with another block's weights. A slot is refilled only after the compute stream has passed the
 `free` event recorded when its previous owner finished.
 """
 from __future__ import annotations

@@ -34,7 +34,7 @@ log = logging.getLogger("ringswap.run_plan")
 GB = 1e9
 DISK_GUESS = 1e9   # bytes/s for reading blocks back from the file before any read was timed
 # the run's second model call gives the rates: the first one's compute includes start-up (kernels,
-# allocations; ~9% on the H200 at cfg 5), which hides a stall the timing model then misses
+# allocations), which hides a stall the timing model then misses
 RATES_AFTER_CALLS = 2
 WRAPPER_KEY = "ringswap"
 

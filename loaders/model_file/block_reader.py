@@ -9,8 +9,8 @@ is used is decided in one place, `read_method`; `portable=True` (or the environm
 variable RINGSWAP_PORTABLE_READS=1) forces seek + readinto so it is tested on Linux too.
 With preadv and O_DIRECT (Linux) reads bypass the page cache through an aligned bounce
 buffer per handle, where the file system accepts it (else buffered reads with page-cache
-advice, posix_fadvise DONTNEED, where the OS has it): buffered reads ran at 55-75% of the
-disk's O_DIRECT rate on the benchmark machine. RINGSWAP_DIRECT_READS=0 turns it off.
+advice, posix_fadvise DONTNEED, where the OS has it), since buffered reads fall short of
+the disk's rate (bench/RESULTS.md). RINGSWAP_DIRECT_READS=0 turns it off.
 """
 from __future__ import annotations
 
