@@ -167,15 +167,7 @@ class BlockSwapEngine:
             if file_streamed or any(i not in self.pool.blocks for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
                                           pin=device.type == "cuda" and pin_memory != "off")
-            from_file = [i for i in placing if i not in self.pool.blocks]   # read back, in placing order
-            for i in placing:   # before pinning changes: a block streamed until now copies from its pinned home
-                self._read_ahead(att, from_file)
-                read_back += self._place(att, self.states[i])
-                if from_file and from_file[0] == i:
-                    from_file.pop(0)
-                if report is not None:
-                    report(read_back, 0)
-            att.copier.synchronize()
+            read_back = self._place_all(att, placing, read_back, report)
             home.settle(self.home, self.states, self.pool, att)
             if plan.streamed:
                 self._hook_streamed(att)
@@ -208,6 +200,21 @@ class BlockSwapEngine:
             self.states[i].unbind(device)
         att.hooks = BlockHooks([s.block for s in self.states], list(plan.streamed),
                                self._before_block, self._after_block)
+
+    def _place_all(self, att: Attachment, placing: list[int], read_back: int,
+                   report: Callable[[int, int], None] | None) -> int:
+        """Place the `placing` blocks (before page-locking changes: a block streamed until now
+        copies from its pinned home), the file's reads running ahead; returns the bytes read."""
+        from_file = [i for i in placing if i not in self.pool.blocks]   # read back, in placing order
+        for i in placing:
+            self._read_ahead(att, from_file)
+            read_back += self._place(att, self.states[i])
+            if from_file and from_file[0] == i:
+                from_file.pop(0)
+            if report is not None:
+                report(read_back, 0)
+        att.copier.synchronize()
+        return read_back
 
     def _read_ahead(self, att: Attachment, blocks: list[int]) -> None:
         """Start the next resident blocks' file reads in the free staging buffers (the disk reads on)."""
