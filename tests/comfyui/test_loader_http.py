@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import COMFY, CUDA, SERVER_ARGS
+from conftest import CUDA
 from ringswap.loaders.comfyui_adapter import comfy_features as features
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
-from support.comfy_server import ComfyServer, ComfyServerError
+from support.comfy_server import ComfyServerError
 from support.quant_files import file_offset, write_misaligned_quant_wan, write_quant_wan
 from support.wan_files import write_tiny_wan
 from support.workflows import build_workflow
@@ -38,13 +38,10 @@ def build_loader_workflow(unet_name, home="ram", window=2, prefetch=1, pin_memor
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    models = tmp_path_factory.mktemp("models")
-    write_tiny_wan(os.path.join(models, "diffusion_models", UNET), dim=128, num_layers=BLOCKS,
+def server(shared_models, shared_server):
+    write_tiny_wan(os.path.join(shared_models, "diffusion_models", UNET), dim=128, num_layers=BLOCKS,
                    ffn_dim=256, dtype=torch.bfloat16, seed=7)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}   # tiny model; 2 threads thrash on a busy box
-    with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS, env=env) as srv:
-        yield srv
+    return shared_server
 
 
 def latent_of(srv, entry):
@@ -71,6 +68,7 @@ def test_loader_node_is_listed_with_widgets_and_tooltips(server):
 
 
 def test_loader_workflow_latent_equals_stock(server):
+    lines_before = len(server.log_text().splitlines())   # the shared server logged other modules' runs
     ref = latent_of(server, server.run(build_workflow(UNET, use_patch=False, seed=3, steps=3,
                                                       filename_prefix="stock"), timeout=300))
     n_before = len(re.findall(r"RingSwap run:", server.log_text()))
@@ -84,10 +82,9 @@ def test_loader_workflow_latent_equals_stock(server):
     entry = server.run(build_loader_workflow(UNET, home="disk", seed=4, steps=3,
                                              filename_prefix="loader_disk4"), timeout=300)
     assert torch.equal(latent_of(server, entry), ref4)
-    log = server.log_text()
-    runs = [ln for ln in log.splitlines() if "RingSwap run:" in ln]
-    assert len(runs) - n_before == 3, runs
-    new = runs[n_before:]
+    log = "\n".join(server.log_text().splitlines()[lines_before:])
+    new = [ln for ln in log.splitlines() if "RingSwap run:" in ln]
+    assert len(new) == 3 and len(re.findall(r"RingSwap run:", server.log_text())) - n_before == 3, new
     streamed = BLOCKS - 1
     for ln in new:
         assert f"{BLOCKS} blocks (1 resident, {streamed} streamed, ring 2), window 2, prefetch 1" in ln, ln
@@ -190,10 +187,10 @@ MISALIGNED_FORMATS = ("quant_metadata",) + (("comfy_quant", "nvfp4") if features
 
 
 @pytest.fixture(scope="module")
-def quant_server(tmp_path_factory):
-    """A server with quantized files (4 blocks) in every format its stock loader reads."""
-    models = tmp_path_factory.mktemp("quant_models")
-    os.makedirs(os.path.join(models, "diffusion_models"))
+def quant_server(shared_models, shared_server):
+    """The shared server with quantized files (4 blocks) in every format its stock loader reads."""
+    models = shared_models
+    os.makedirs(os.path.join(models, "diffusion_models"), exist_ok=True)
     for fmt in QUANT_FORMATS:
         write_quant_wan(os.path.join(models, "diffusion_models", f"q_{fmt}.safetensors"), fmt,
                         dim=256, num_layers=4, ffn_dim=1024)
@@ -201,9 +198,7 @@ def quant_server(tmp_path_factory):
         path = os.path.join(models, "diffusion_models", f"q32_{fmt}.safetensors")
         write_misaligned_quant_wan(path, fmt, dim=256, num_layers=4, ffn_dim=1024)
         assert file_offset(path, "time_embedding.0.weight") % 16 == 8
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS, env=env) as srv:
-        yield srv
+    return shared_server
 
 
 @pytest.mark.parametrize("unet", [f"q_{f}.safetensors" for f in QUANT_FORMATS]
