@@ -29,16 +29,33 @@ code=${PIPESTATUS[0]}
 [ "$code" -eq 0 ] || rc=1
 summary+=("without ComfyUI: $(grep -E '[0-9]+ (passed|failed)' "$out" | tail -1) (exit $code)")
 rm -f "$out"
-for r in "${runs[@]}"; do
-  IFS='|' read -r name dir dyn <<<"$r"
-  echo "[test] ===== ComfyUI $name ($dir)"
-  out=$(mktemp)
-  RINGSWAP_COMFYUI_DIR="$dir" RINGSWAP_DYNAMIC_VRAM="$dyn" "$PY" -m pytest -q -p no:cacheprovider "$@" tests/comfyui 2>&1 | tee "$out"
-  code=${PIPESTATUS[0]}
-  [ "$code" -eq 0 ] || rc=1
-  summary+=("ComfyUI $name: $(grep -E '[0-9]+ (passed|failed)' "$out" | tail -1) (exit $code)")
-  rm -f "$out"
+# The runtimes run side by side where there are two cores or more (most of a suite waits on one
+# core or on a server process); RINGSWAP_TEST_SERIAL=1 runs them one after another. Each has its
+# own log, printed whole when it ends, and its own pytest temporary folder.
+lanes=$([ "${RINGSWAP_TEST_SERIAL:-0}" = 1 ] || [ "$(nproc 2>/dev/null || echo 1)" -lt 2 ] && echo 1 || echo "${#runs[@]}")
+logs=$(mktemp -d)
+suite() {   # suite INDEX: one runtime's tests/comfyui, its log in $logs/INDEX.log and exit code in INDEX.rc
+  local i=$1 name dir dyn; shift
+  IFS='|' read -r name dir dyn <<<"${runs[$i]}"
+  RINGSWAP_COMFYUI_DIR="$dir" RINGSWAP_DYNAMIC_VRAM="$dyn" "$PY" -m pytest -q -p no:cacheprovider \
+    --basetemp="$logs/tmp$i" "$@" tests/comfyui >"$logs/$i.log" 2>&1
+  echo $? >"$logs/$i.rc"
+}
+t0=$SECONDS
+for i in "${!runs[@]}"; do
+  if [ "$lanes" = 1 ]; then suite "$i" "$@"; else suite "$i" "$@" & fi
 done
+wait
+for i in "${!runs[@]}"; do
+  IFS='|' read -r name dir dyn <<<"${runs[$i]}"
+  echo "[test] ===== ComfyUI $name ($dir)"
+  cat "$logs/$i.log"
+  code=$(cat "$logs/$i.rc")
+  [ "$code" -eq 0 ] || rc=1
+  summary+=("ComfyUI $name: $(grep -E '[0-9]+ (passed|failed)' "$logs/$i.log" | tail -1) (exit $code)")
+done
+summary+=("ComfyUI suites: $((SECONDS - t0)) s, $([ "$lanes" = 1 ] && echo "one after another" || echo "side by side")")
+rm -rf "$logs"
 echo "[test] ===== summary"
 printf '[test] %s\n' "${summary[@]}"
 exit $rc
