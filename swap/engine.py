@@ -94,17 +94,7 @@ class BlockSwapEngine:
         return self._read_homes(range(self.num_blocks), progress)
 
     def _read_homes(self, blocks: Iterable[int], progress: Callable[[int, int], None] | None = None) -> int:
-        """Read those of `blocks` without a home into new ones (parallel reads); returns the
-        bytes read. On failure the homes it made are freed and the error re-raised."""
-        todo = [self.states[i] for i in blocks if i not in self.pool.blocks]
-        if not todo:
-            return 0
-        try:
-            return home.fill(todo, self.pool, self.read_block, progress)
-        except BaseException:
-            for st in todo:
-                self.pool.drop(st.index)
-            raise
+        return home.read_homes([self.states[i] for i in blocks], self.pool, self.read_block, progress)
 
     def ram_homes(self, plan: ResidencyPlan, ram_blocks: Iterable[int] | None = None) -> frozenset[int]:
         """The blocks that hold a host copy while `plan` is attached: every block (ram), none
@@ -163,11 +153,14 @@ class BlockSwapEngine:
         read_back = self._ensure_home(keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
         att = Attachment(device, plan, "", pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
+        pinning = home.lock_early(self.pool, device, pin_memory, [i for i in plan.streamed if i in keep])
         try:
             if file_streamed or any(i not in self.pool.blocks for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
                                           pin=device.type == "cuda" and pin_memory != "off")
             read_back = self._place_all(att, placing, read_back, report)
+            if pinning is not None:
+                pinning.join()
             home.settle(self.home, self.states, self.pool, att)
             if plan.streamed:
                 self._hook_streamed(att)
@@ -180,6 +173,8 @@ class BlockSwapEngine:
                     on_land(i, self.states[i].binding.current())
             att.stats = att.new_stats()
         except BaseException:
+            if pinning is not None:
+                pinning.join()
             self.att = att
             self.detach()
             raise

@@ -7,6 +7,7 @@ blocks' homes where it can and otherwise falls back to a pinned staging ring.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable
 
 import torch
@@ -53,6 +54,32 @@ def fill(states: list, pool: HostPool, read_block: Callable, progress: Callable[
                     pass
         raise
     return total
+
+
+def read_homes(states: list, pool: HostPool, read_block: Callable,
+               progress: Callable[[int, int], None] | None = None) -> int:
+    """Read those of `states` without a home into new ones (parallel reads); returns the
+    bytes read. On failure the homes it made are freed and the error re-raised."""
+    todo = [s for s in states if s.index not in pool.blocks]
+    if not todo:
+        return 0
+    try:
+        return fill(todo, pool, read_block, progress)
+    except BaseException:
+        for s in todo:
+            pool.drop(s.index)
+        raise
+
+
+def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int]) -> threading.Thread | None:
+    """Page-lock the streamed blocks' RAM homes on a thread of its own while the resident
+    blocks are placed (an expert switch reads and pins at once); `settle` pins what is left."""
+    todo = [i for i in streamed if i in pool.blocks and not pool.blocks[i].pinned]
+    if device.type != "cuda" or pin_memory == "off" or not todo:
+        return None
+    t = threading.Thread(target=pool.lock, args=(todo,), name="ringswap-pin", daemon=True)
+    t.start()
+    return t
 
 
 def capture(states: list, pool: HostPool) -> None:

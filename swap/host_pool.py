@@ -197,15 +197,26 @@ class HostPool:
         for i, buf in self.blocks.items():
             if i not in wanted:
                 buf.unpin()
+        if not self.lock(indices):
+            self.unpin_all()
+            return False
+        return True
+
+    def lock(self, indices: list[int]) -> bool:
+        """Page-lock these blocks' homes where not yet, leaving the others as they are; stops
+        at the first that fails (False). May run on another thread than the block copies."""
         todo = [self.blocks[i] for i in indices if not self.blocks[i].pinned]
         t0 = time.perf_counter()
-        for buf in todo:
-            if not buf.pin():
-                self.unpin_all()
-                return False
-        if todo:
-            done, secs = self.pin_rate
-            self.pin_rate = (done + sum(b.nbytes for b in todo), secs + time.perf_counter() - t0)
+        done = 0
+        try:
+            for buf in todo:
+                if not buf.pin():
+                    return False
+                done += buf.nbytes
+        finally:
+            if done:
+                total, secs = self.pin_rate
+                self.pin_rate = (total + done, secs + time.perf_counter() - t0)
         return True
 
     def pin_seconds(self, nbytes: int) -> float:

@@ -341,3 +341,25 @@ def test_packed_tensors_join_afresh_only_where_their_codec_asks(fresh_join):
         engine.detach()
     finally:
         layout._CODECS.pop(Marked)
+
+
+@pytest.mark.gpu
+def test_auto_home_pins_its_streamed_homes_while_placing_on_cuda():
+    """home=auto on CUDA: a detached model holds its streamed homes unpinned; attaching again
+    page-locks them (on a thread of its own while the resident blocks are read and placed)
+    and the run is exact against the same blocks wholly on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    x = X.to(dev)
+    want = run(make_blocks().to(dev), x)
+    blocks = make_blocks()
+    engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home="auto", disk_workers=2)
+    plan = ResidencyPlan.make(N, 3, 1)
+    streamed = sum(engine.states[i].layout.nbytes for i in plan.streamed)
+    for _ in range(2):
+        engine.attach(dev, plan)
+        assert engine.memory == "pinned" and engine.pool.pinned_bytes >= streamed
+        assert torch.equal(run(blocks, x), want)
+        engine.detach()
+        assert engine.pool.pinned_bytes == 0 and sorted(engine.pool.blocks) == sorted(plan.streamed)
