@@ -118,7 +118,7 @@ for p in "$@"; do
     experts-64) compare experts_64 260 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
     experts-fp8-32) compare experts_fp8_32 240 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
                       --rams 32 --experts 2 ;;
-    read-probe) part read_probe 150 0.3.75 0 python3 bench/read_probe.py --gb 6 --json "$OUT/read_probe.json" ;;
+    read-probe) part read_probe 120 0.3.75 0 python3 bench/read_probe.py --gb 3 --workers 1 4 8 --json "$OUT/read_probe.json" ;;
     cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
                   --configs comfy-0.3.75@0 rs-patch-0.3.75 ;;
     live-033) part live_033 150 0.33 "" python3 bench/live_overhead.py --json "$OUT/live_033.json" ;;
