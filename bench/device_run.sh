@@ -31,8 +31,8 @@
 # ram-32 (issue "runs on the RAM people have": home=ram with all RAM, then home=auto with a RAM ballast
 # leaving 32 GB, at 24 and 12 GiB, bf16, 7,800 tokens, ~6 min), experts-64 / experts-fp8-32 (two experts,
 # home=auto, 24 GiB, bf16 with 64 GB / scaled fp8 with 32 GB, two prompts: the second's switches, ~4 min
-# each), read-probe (bench/read_probe.py: BlockReader buffered and O_DIRECT at 1-8 workers against the
-# disk's O_DIRECT rate, 6 GB each, ~2 min with the file's write), cfg5-first (the cfg 5, 12 GiB,
+# each), read-probe (bench/read_probe.py: BlockReader at 1-8 workers against the disk's O_DIRECT rate,
+# 3 GB each, ~1 min with the file's write), cfg5-first (the cfg 5, 12 GiB,
 # halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps, beside ComfyUI resident: the re-plan by
 # measured rates, ~3.5 min).
 # gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~1.5 min each);

@@ -1,9 +1,8 @@
 """How fast RingSwap's BlockReader reads a model's blocks from the disk, against O_DIRECT.
 
 Reads the first --gb of the bench's Wan-14B file block by block (the ranges an attach
-reads) with BlockReader buffered and with O_DIRECT at several worker counts, the page cache
-dropped before each; and the disk's own O_DIRECT rate (bench/io_rates.py) at 1 and 4 readers.
-Tells which reader settings an expert switch or a file-streamed block should use.
+reads) with BlockReader at several worker counts, the page cache dropped before each; and
+the disk's own O_DIRECT rate (bench/io_rates.py) at 1 and 4 readers.
 
     python3 bench/read_probe.py --gb 6 --workers 1 2 4 8 [--format bf16] [--json out.json]
 """
@@ -40,13 +39,13 @@ def block_ranges(path: str, limit: int) -> list[list[tuple[int, int, int]]]:
     return out
 
 
-def reader_rate(path: str, blocks: list, workers: int, direct: bool, pinned: bool) -> dict:
+def reader_rate(path: str, blocks: list, workers: int, pinned: bool) -> dict:
     """Blocks read one after another, two in flight (as an attach's read-ahead does)."""
     from ringswap.loaders.model_file.block_reader import BlockReader
     size = max(sum(n for _, n, _ in r) for r in blocks)
     bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
     drop = drop_page_cache(path, "auto")
-    with BlockReader(path, workers=workers, direct=direct) as r:
+    with BlockReader(path, workers=workers) as r:
         t0 = time.perf_counter()
         pending = []
         for i, ranges in enumerate(blocks):
@@ -56,7 +55,7 @@ def reader_rate(path: str, blocks: list, workers: int, direct: bool, pinned: boo
         for f in pending:
             f.result()
         dt = time.perf_counter() - t0
-        return {"workers": workers, "direct": r.direct, "bytes": r.bytes_read, "seconds": dt,
+        return {"workers": workers, "bytes": r.bytes_read, "seconds": dt,
                 "gbps": r.bytes_read / dt / 1e9, "cache": drop}
 
 
@@ -75,12 +74,11 @@ def main() -> None:
     rows = [odirect_rate(path, int(a.gb * 1e9), True, "auto", t) for t in (1, 4)]
     for r in rows:
         common.say(f"[read_probe] disk {r['mode']}: {r['gbps']:.2f} GB/s")
-    for direct in (False, True):
-        for w in a.workers:
-            row = reader_rate(path, blocks, w, direct, pinned)
-            rows.append(row)
-            common.say(f"[read_probe] BlockReader {w} workers, {'O_DIRECT' if row['direct'] else 'buffered'}: "
-                       f"{row['gbps']:.2f} GB/s ({row['bytes'] / 1e9:.1f} GB in {row['seconds']:.1f} s)")
+    for w in a.workers:
+        row = reader_rate(path, blocks, w, pinned)
+        rows.append(row)
+        common.say(f"[read_probe] BlockReader {w} workers: "
+                   f"{row['gbps']:.2f} GB/s ({row['bytes'] / 1e9:.1f} GB in {row['seconds']:.1f} s)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"path": path, "pinned": pinned, "rows": rows}, f, indent=1)

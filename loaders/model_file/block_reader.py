@@ -7,18 +7,13 @@ Linux and Windows (DESIGN.md): `os.preadv`/`os.pread` where the OS has them; els
 (Windows) each worker's own handle, opened in binary mode, does seek + readinto. Which one
 is used is decided in one place, `read_method`; `portable=True` (or the environment
 variable RINGSWAP_PORTABLE_READS=1) forces seek + readinto so it is tested on Linux too.
-With preadv and O_DIRECT (Linux) reads bypass the page cache through an aligned bounce
-buffer per handle, where the file system accepts it (else buffered reads with page-cache
-advice, posix_fadvise DONTNEED, where the OS has it), since buffered reads fall short of
-the disk's rate (bench/RESULTS.md). RINGSWAP_DIRECT_READS=0 turns it off.
+Page-cache advice (posix_fadvise DONTNEED) is given only where the OS has it.
 """
 from __future__ import annotations
 
 import ctypes
-import errno
 import io
 import logging
-import mmap
 import os
 import queue
 import threading
@@ -30,9 +25,6 @@ import torch
 log = logging.getLogger("ringswap.block_reader")
 
 CHUNK_BYTES = 64 * 1024 * 1024
-ALIGN = 4096                  # O_DIRECT offsets, lengths and buffers: multiples of the page
-DIRECT_PIECE = 8 << 20        # one O_DIRECT read into a handle's bounce buffer
-DIRECT_ENV = "RINGSWAP_DIRECT_READS"
 _MAX_SYSCALL = 1 << 30  # Linux and Windows read at most ~2 GiB per call; keep well under
 PORTABLE_ENV = "RINGSWAP_PORTABLE_READS"
 PREADV, PREAD, SEEK_READINTO = "preadv", "pread", "seek+readinto"
@@ -68,31 +60,6 @@ def file_identity(path: str) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _direct_wanted(method: str, direct: bool | None) -> bool:
-    """Whether to try O_DIRECT: preadv (an aligned buffer of ours) and an OS with O_DIRECT;
-    `direct=None` takes RINGSWAP_DIRECT_READS from the environment (default on)."""
-    if direct is None:
-        direct = os.environ.get(DIRECT_ENV, "1") not in ("", "0")
-    return direct and method == PREADV and hasattr(os, "O_DIRECT")
-
-
-class _Handle:
-    """One worker's file handle and, for O_DIRECT, its page-aligned bounce buffer."""
-
-    def __init__(self, h: int | io.FileIO, direct: bool):
-        self.h = h
-        self.fd = h if isinstance(h, int) else h.fileno()
-        self.bounce = mmap.mmap(-1, DIRECT_PIECE) if direct else None
-        self.view = memoryview(self.bounce) if direct else None
-        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.bounce)) if direct else 0
-
-    def close(self) -> None:
-        if isinstance(self.h, int):
-            os.close(self.h)
-        else:
-            self.h.close()
-
-
 class _Job:
     """One read_into call: counts its chunks down and resolves its future once, at the end."""
 
@@ -121,33 +88,30 @@ class _Job:
 class BlockReader:
     """`workers` threads, each taking one of `workers` file handles for a chunk, so no
     handle is ever used by two threads at once (the seek + readinto path relies on that).
-    `portable`: see read_method; `self.method` says what was chosen. `direct`: O_DIRECT
-    reads (None: the environment's choice, see the module); `self.direct` says whether the
-    file system took them."""
+    `portable`: see read_method; `self.method` says what was chosen."""
 
     def __init__(self, path: str | os.PathLike, workers: int = 4, drop_cache: bool = True,
-                 chunk_bytes: int = CHUNK_BYTES, portable: bool | None = None, direct: bool | None = None):
+                 chunk_bytes: int = CHUNK_BYTES, portable: bool | None = None):
         if workers < 1 or chunk_bytes < 1:
             raise ValueError(f"BlockReader: workers ({workers}) and chunk_bytes ({chunk_bytes}) must be >= 1")
         self.path = os.fspath(path)
         self.workers = workers
         self.method = read_method(portable)
+        self.drop_cache = drop_cache and hasattr(os, "posix_fadvise")
         self.chunk_bytes = chunk_bytes
-        self._handles: queue.SimpleQueue[_Handle] = queue.SimpleQueue()
-        self._all_handles: list[_Handle] = []
+        self._handles: queue.SimpleQueue[int | io.FileIO] = queue.SimpleQueue()
+        self._all_handles: list[int | io.FileIO] = []
         try:
-            self.direct = _direct_wanted(self.method, direct) and self._direct_accepted()
             for _ in range(workers):
-                hd = _Handle(self._open(), self.direct)
-                self._all_handles.append(hd)
-                self._handles.put(hd)
+                h = self._open()
+                self._all_handles.append(h)
+                self._handles.put(h)
             self.identity = file_identity(self.path)
         except OSError as e:
             self._close_handles()
             raise BlockReadError(f"{self.path}: cannot open for reading: {e.strerror or e}") from e
-        self.drop_cache = drop_cache and not self.direct and hasattr(os, "posix_fadvise")
-        log.debug("BlockReader %s: %d workers, %s reads%s, page-cache advice %s", self.path, workers,
-                  self.method, " (O_DIRECT)" if self.direct else "", "on" if self.drop_cache else "off")
+        log.debug("BlockReader %s: %d workers, %s reads, page-cache advice %s", self.path, workers,
+                  self.method, "on" if self.drop_cache else "off")
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ringswap-read")
         self._lock = threading.Lock()
         self._closed = False
@@ -155,37 +119,18 @@ class BlockReader:
         self._reads = 0
         self._read_seconds = 0.0
 
-    def _open(self, direct: bool | None = None) -> int | io.FileIO:
+    def _open(self) -> int | io.FileIO:
         if self.method == SEEK_READINTO:  # unbuffered binary (and non-inheritable) handle
             return io.FileIO(self.path, "rb")
-        flags = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
-        return os.open(self.path, flags | (os.O_DIRECT if (self.direct if direct is None else direct) else 0))
-
-    def _direct_accepted(self) -> bool:
-        """Whether this file's file system takes O_DIRECT: some refuse the open (tmpfs), some
-        the read; either way the reader reads buffered."""
-        try:
-            fd = self._open(direct=True)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                raise
-            log.debug("%s: O_DIRECT refused at open (%s); buffered reads", self.path, e.strerror or e)
-            return False
-        probe = mmap.mmap(-1, ALIGN)
-        try:
-            os.preadv(fd, [probe], 0)
-            return True
-        except OSError as e:
-            log.debug("%s: O_DIRECT read refused (%s); buffered reads", self.path, e.strerror or e)
-            return False
-        finally:
-            os.close(fd)
-            probe.close()
+        return os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0))
 
     def _close_handles(self) -> None:
         handles, self._all_handles = self._all_handles, []
-        for hd in handles:
-            hd.close()
+        for h in handles:
+            if isinstance(h, int):
+                os.close(h)
+            else:
+                h.close()
 
     def _read(self, h: int | io.FileIO, view: memoryview, pos: int) -> int:
         """One read call at file offset `pos` into `view`; 0 only at end of file."""
@@ -197,21 +142,6 @@ class BlockReader:
             return len(data)
         h.seek(pos)
         return h.readinto(view) or 0
-
-    @staticmethod
-    def _read_direct(hd: _Handle, dest_addr: int, pos: int, n: int) -> int:
-        """One aligned O_DIRECT read around [pos, pos + n) into the handle's bounce buffer,
-        its useful part copied to `dest_addr` (ctypes.memmove releases the GIL); the bytes
-        delivered, 0 only at end of file."""
-        lead = pos % ALIGN
-        want = min(n + lead, DIRECT_PIECE)
-        want = (want + ALIGN - 1) // ALIGN * ALIGN
-        k = os.preadv(hd.fd, [hd.view[:want]], pos - lead)
-        use = min(k - lead, n)
-        if use <= 0:
-            return 0
-        ctypes.memmove(dest_addr, hd.addr + lead, use)
-        return use
 
     # -- counters ---------------------------------------------------------------------------
     @property
@@ -290,20 +220,19 @@ class BlockReader:
         if job.error is not None:  # another chunk of this job failed: skip, don't read
             job.done(0, None)
             return
-        hd = self._handles.get()
+        h = self._handles.get()
+        fd = h if isinstance(h, int) else h.fileno()
         got, calls, err = 0, 0, None
         t0 = time.perf_counter()
         try:
             while got < n:
                 pos = off + c + got
+                want = min(n - got, _MAX_SYSCALL)
+                view = mv[doff + c + got: doff + c + got + want]
                 calls += 1
-                if hd.bounce is not None:
-                    k = self._read_direct(hd, dest.data_ptr() + doff + c + got, pos, n - got)
-                else:
-                    want = min(n - got, _MAX_SYSCALL)
-                    k = self._read(hd.h, mv[doff + c + got: doff + c + got + want], pos)
+                k = self._read(h, view, pos)
                 if k == 0:  # end of file; parallel chunks fail in any order, so ask its size
-                    have = max(0, min(length, os.fstat(hd.fd).st_size - off))
+                    have = max(0, min(length, os.fstat(fd).st_size - off))
                     err = BlockReadError(
                         f"{self.path}: reading {length} bytes at offset {off}: file ended after "
                         f"{have} of {length} bytes — was it truncated or replaced after loading?")
@@ -311,7 +240,7 @@ class BlockReader:
                 got += k
             if self.drop_cache and got:
                 try:
-                    os.posix_fadvise(hd.fd, off + c, got, os.POSIX_FADV_DONTNEED)
+                    os.posix_fadvise(fd, off + c, got, os.POSIX_FADV_DONTNEED)
                 except OSError:
                     pass
         except OSError as e:
@@ -322,7 +251,7 @@ class BlockReader:
         except BaseException as e:  # never leave the job's future pending
             err = e
         finally:
-            self._handles.put(hd)
+            self._handles.put(h)
             with self._lock:
                 self._bytes_read += got
                 self._reads += calls

@@ -1,10 +1,9 @@
 """BlockReader: parallel positioned reads into one buffer, chunking, short reads, lifetime.
 
-Every read test runs with the three ways of reading: O_DIRECT through an aligned bounce
-buffer ("direct", Linux), buffered os.preadv/os.pread ("positioned") and the per-worker-handle
-seek + readinto used where pread does not exist (Windows), forced here with portable=True.
+Every read test runs with both read methods: os.preadv/os.pread ("positioned") and the
+per-worker-handle seek + readinto used where pread does not exist (Windows), forced here
+with portable=True.
 """
-import errno
 import os
 import random
 import re
@@ -15,37 +14,25 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ringswap.loaders.model_file import block_reader
-from ringswap.loaders.model_file.block_reader import (DIRECT_ENV, PORTABLE_ENV, PREAD, PREADV, SEEK_READINTO,
-                                                      BlockReadError, BlockReader, FileChangedError,
-                                                      file_identity, read_method)
+from ringswap.loaders.model_file.block_reader import (PORTABLE_ENV, PREAD, PREADV, SEEK_READINTO, BlockReadError,
+                                           FileChangedError, file_identity,
+                                           BlockReader, read_method)
 from ringswap.loaders.model_file.safetensors_index import SafetensorsIndex
 
 TIMEOUT = 30
 
 
-@pytest.fixture(params=["direct", "positioned", "portable"])
-def way(request):
-    if request.param == "direct" and not hasattr(os, "O_DIRECT"):
-        pytest.skip("no O_DIRECT on this OS")
+@pytest.fixture(params=[False, True], ids=["positioned", "portable"])
+def portable(request):
     return request.param
 
 
 @pytest.fixture
-def portable(way):
-    return way == "portable"
-
-
-@pytest.fixture
-def open_reader(way):
-    """BlockReader(path, ...) with this test's way of reading, checked to be the one in use."""
+def open_reader(portable):
+    """BlockReader(path, ...) with this test's read method, checked to be the one in use."""
     def make(path, **kw):
-        r = BlockReader(path, portable=way == "portable", direct=way == "direct", **kw)
-        assert r.method == (SEEK_READINTO if way == "portable" else read_method(False))
-        if way == "direct" and not r.direct:
-            r.close()
-            pytest.skip(f"the file system of {path} refuses O_DIRECT")
-        assert r.direct == (way == "direct")
+        r = BlockReader(path, portable=portable, **kw)
+        assert r.method == (SEEK_READINTO if portable else read_method(False))
         return r
     return make
 
@@ -261,43 +248,3 @@ def test_read_method_choice(model, monkeypatch):
     monkeypatch.setenv(PORTABLE_ENV, "0")
     assert read_method() == positioned
 
-
-def test_direct_reads_cross_bounce_pieces_at_any_alignment(model, monkeypatch):
-    """O_DIRECT reads of ranges at odd offsets and lengths, larger than the bounce buffer
-    (shrunk here to two pages), land byte for byte."""
-    monkeypatch.setattr(block_reader, "DIRECT_PIECE", 2 * block_reader.ALIGN)
-    raw = _file_bytes(model)
-    size = raw.numel()
-    ranges = [(1, 3, 0), (4095, 2, 3), (4097, 20_000, 5), (size - 7, 7, 20_005), (12_345, size - 12_345, 20_012)]
-    dest = torch.zeros(20_012 + size - 12_345, dtype=torch.uint8)
-    with BlockReader(model, workers=3, chunk_bytes=9_000, direct=True) as r:
-        if not r.direct:
-            pytest.skip("the file system refuses O_DIRECT")
-        assert r.read_into(dest, ranges).result(timeout=TIMEOUT) == dest.numel() == r.bytes_read
-    for off, length, doff in ranges:
-        assert torch.equal(dest[doff:doff + length], raw[off:off + length])
-
-
-class _RefusesDirect(BlockReader):
-    """A file system that refuses O_DIRECT at open, as some do (EINVAL)."""
-
-    def _open(self, direct=None):
-        if direct:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return super()._open(direct)
-
-
-def test_direct_reads_fall_back_where_refused(model, monkeypatch):
-    """A file system that refuses O_DIRECT reads buffered, with the same bytes and page-cache
-    advice; RINGSWAP_DIRECT_READS=0 turns O_DIRECT off."""
-    with _RefusesDirect(model, workers=2, direct=True) as r:
-        assert not r.direct and r.drop_cache == hasattr(os, "posix_fadvise")
-        dest = torch.zeros(os.path.getsize(model), dtype=torch.uint8)
-        r.read_into(dest, [(0, dest.numel(), 0)]).result(timeout=TIMEOUT)
-    assert torch.equal(dest, _file_bytes(model))
-    monkeypatch.setenv(DIRECT_ENV, "0")
-    with BlockReader(model, workers=1) as r:
-        assert not r.direct
-    monkeypatch.delenv(DIRECT_ENV)
-    with BlockReader(model, workers=1) as r:
-        assert r.direct == (read_method() == PREADV)
