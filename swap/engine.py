@@ -232,11 +232,13 @@ class BlockSwapEngine:
         s.binding.bind(s.layout.views(s.device_buffer))
         return read
 
-    def detach(self) -> None:
-        """Drain copies, unhook, free device buffers; parameters point at home again."""
-        self._detach(frozenset(), unpin=True)
+    def detach(self, capture_bytes: int = 0) -> None:
+        """Drain copies, unhook, free device buffers; parameters point at home again. home=auto:
+        up to `capture_bytes` of resident blocks get a host home copied from the device, so the
+        next attach places them without reading the file (not where on-land work changed them)."""
+        self._detach(frozenset(), unpin=True, capture_bytes=capture_bytes)
 
-    def _detach(self, kept: frozenset[int], unpin: bool) -> None:
+    def _detach(self, kept: frozenset[int], unpin: bool, capture_bytes: int = 0) -> None:
         """detach, keeping the device buffers of the resident blocks in `kept` (and, without
         `unpin`, home=auto's pinned homes) for the attach that follows."""
         att = self.att
@@ -244,6 +246,8 @@ class BlockSwapEngine:
             return
         try:
             att.copier.synchronize()
+            if self.home == "auto" and capture_bytes > 0 and att.on_land is None:
+                home.capture_resident(self.states, self.pool, att.plan.resident, capture_bytes)
         finally:
             if att.readahead is not None:
                 att.readahead.release_all()

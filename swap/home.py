@@ -97,6 +97,24 @@ def capture(states: list, pool: HostPool) -> None:
         s.binding.bind(s.layout.views(buf.flat))
 
 
+def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int) -> int:
+    """Copy resident blocks without a home from the device into new homes, in order, while
+    they fit in `nbytes`; returns the bytes captured (stops where host memory runs out)."""
+    done = 0
+    for i in resident:
+        s = states[i]
+        if s.device_buffer is None or i in pool.blocks or done + s.layout.nbytes > nbytes:
+            continue
+        try:
+            buf = pool.add(i, s.layout.nbytes)
+        except (OSError, RuntimeError) as e:
+            log.info("RingSwap: kept %.2f GB of resident blocks in RAM; no more host memory (%s)", done / 1e9, e)
+            break
+        buf.flat.copy_(s.device_buffer)
+        done += s.layout.nbytes
+    return done
+
+
 def settle(kind: str, states: list, pool: HostPool, att) -> None:
     """After an attachment's placement: how its streamed copies leave host memory (page-locking
     the RAM homes that stream; "disk" where all come from the file), and for home=auto

@@ -4,6 +4,7 @@ The room is `ram_budget_gb` when set; else the RAM available now, plus the homes
 already holds, less a margin (MARGIN_SHARE of those two, at least MARGIN_MIN) and less what
 ComfyUI says it keeps for itself (comfy_features.ram_kept_by_comfy). The margin follows the
 RAM there is to share, not the machine's size, so a RAM ballast emulates a smaller machine.
+A model taken off the GPU may keep its resident blocks in what the room leaves (`capture_room`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ def room(engine, ram_budget_gb: float) -> tuple[int, str]:
     why = (f"{available / GB:.1f} GB available + {held / GB:.1f} GB of its homes - {margin / GB:.1f} GB margin"
            + (f" - {kept / GB:.1f} GB ComfyUI keeps" if kept else ""))
     return max(0, int(available + held - margin - kept)), why
+
+
+def capture_room(engine, ram_budget_gb: float) -> int:
+    """Bytes of resident blocks a home=auto model taken off the GPU may keep in RAM (so the next
+    attach places them without reading the file): what `room` leaves beside the homes it holds,
+    less as much again for the model that loads next (its own streamed homes). 0 for other homes."""
+    if engine.home != "auto":
+        return 0
+    if ram_budget_gb > 0:
+        return max(0, int(ram_budget_gb * GB) - engine.pool.nbytes)
+    nbytes, _ = room(engine, 0.0)
+    return max(0, nbytes - 2 * engine.pool.nbytes)
 
 
 def split_for(engine, plan: ResidencyPlan, ram_budget_gb: float) -> RamSplit | None:

@@ -221,7 +221,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         if sys.is_finalizing() or not self._owns_engine():
             return 0
         freed = engine.device_bytes()
-        engine.detach()
+        engine.detach(ram_room.capture_room(engine, self.ringswap.ram_budget_gb))
         self._release_folder()
         if self.model.model_loaded_weight_memory > 0:
             self.model.model_loaded_weight_memory = max(0, self.model.model_loaded_weight_memory - freed)

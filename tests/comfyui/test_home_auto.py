@@ -46,6 +46,9 @@ def test_budget_splits_streamed_blocks_between_ram_and_file(wan, caplog):
 
 
 def test_automatic_room_holds_every_streamed_block_and_plan_changes_read_back(wan, caplog):
+    """Plenty of RAM: every streamed block gets a home, and a model taken off the device keeps
+    its resident blocks in RAM, so a plan that streams them reads nothing; with no room left
+    beside its homes (a RAM budget) they go back to the file and the next plan reads them back."""
     path, want = wan
     base = load_swapped_model(path, SwapSettings(3, 1), home="auto", disk_workers=2)
     engine = base.swap_engine
@@ -54,7 +57,16 @@ def test_automatic_room_holds_every_streamed_block_and_plan_changes_read_back(wa
     assert set(engine.pool.blocks) == set(engine.plan.streamed), "plenty of RAM: every streamed block in RAM"
     resident = set(engine.plan.resident)
     comfy.model_management.unload_all_models()
-    smaller = SwapModelPatcher.wrap(base, SwapSettings(1, 1))   # resident blocks now stream: read back
+    assert set(engine.pool.blocks) == set(range(BLOCKS)), "taken off the device: resident blocks kept in RAM"
+    smaller = SwapModelPatcher.wrap(base, SwapSettings(1, 1))   # resident blocks now stream, from RAM
+    assert torch.equal(forward(smaller, *inputs(seed=0)), want)
+    assert engine.read_back[0] == 0
+    comfy.model_management.unload_all_models()
+    budget = (BLOCKS - len(resident)) * block / 1e9 + 1e-6   # the streamed homes, nothing beside them
+    tight = SwapModelPatcher.wrap(base, SwapSettings(3, 1, ram_budget_gb=budget))
+    assert torch.equal(forward(tight, *inputs(seed=0)), want)
+    comfy.model_management.unload_all_models()
+    assert set(engine.pool.blocks) == set(range(BLOCKS)) - resident, "no room: resident blocks back to the file"
     with caplog.at_level(logging.INFO, logger="ringswap"):
         assert torch.equal(forward(smaller, *inputs(seed=0)), want)
     assert engine.read_back[0] == len(resident) * block
@@ -64,7 +76,7 @@ def test_automatic_room_holds_every_streamed_block_and_plan_changes_read_back(wa
     comfy.model_management.unload_all_models()
     everything = SwapModelPatcher.wrap(base, SwapSettings(BLOCKS, 1))   # all resident: no RAM homes
     assert torch.equal(forward(everything, *inputs(seed=0)), want)
-    assert not engine.pool.blocks and engine.read_back[0] == 0
+    assert not engine.pool.blocks
     comfy.model_management.unload_all_models()
 
 

@@ -242,6 +242,35 @@ def test_auto_home_read_failure_leaves_nothing_half_loaded():
     engine.detach()
 
 
+@pytest.mark.parametrize("room_blocks", [0, 1, N])
+def test_auto_home_keeps_resident_blocks_in_ram_as_far_as_given(room_blocks):
+    """A home=auto model taken off the device with room for resident blocks keeps them in RAM
+    (copied from the device, as many whole blocks as fit): the next attach places them without
+    reading the file, drops those homes again once placed, and is exact. On-land work (a LoRA
+    fold changes the device copy) keeps nothing."""
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    plan = ResidencyPlan.make(N, 4, 1)
+    size = engine.states[0].layout.nbytes
+    engine.attach("cpu", plan)
+    engine.detach(capture_bytes=room_blocks * size)
+    kept = sorted(set(engine.pool.blocks) - set(plan.streamed))
+    assert kept == list(plan.resident[:min(room_blocks, len(plan.resident))])
+    if room_blocks == N:   # every block has a home again: the detached model computes from RAM
+        assert torch.equal(run(blocks, X), ref)
+    reads = src.reads
+    engine.attach("cpu", plan)
+    assert src.reads - reads == len(plan.resident) - len(kept)
+    assert sorted(engine.pool.blocks) == sorted(plan.streamed)
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+    engine.attach("cpu", plan, on_land=lambda block, tensors: None)
+    engine.detach(capture_bytes=N * size)
+    assert sorted(engine.pool.blocks) == sorted(plan.streamed)
+
+
 def test_plan():
     p = ResidencyPlan.make(40, 4, 1)
     assert len(p.resident) == 3 and len(p.streamed) == 37 and p.ring_slots == 2
