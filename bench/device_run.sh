@@ -60,6 +60,8 @@ part() {   # part NAME SECONDS COMFY DYN COMMAND...   (COMFY: 0.3.75 or 0.33; DY
   summary+=("$name: rc=$rc in $((SECONDS - t0)) s$([ $rc = 97 ] && echo ' (setup failed, see its log)')")
 }
 pytest=(python3 -m pytest -q -p no:cacheprovider tests/comfyui)
+# the gpu parts: tests/engine and tests/comfyui in two sessions (each folder has its own conftest)
+gpu_tests='python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine; e=$?; python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui; c=$?; exit $((e || c))'
 compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s inside the part's limit
   local name=$1 secs=$2; shift 2
   part "compare_$name" "$secs" 0.3.75 "" python3 bench/compare.py --budget-s $((secs - 25)) \
@@ -71,9 +73,9 @@ for p in "$@"; do
     suite) part suite 260 0.3.75 0 "${pytest[@]}" ;;
     suite-033) part suite_033 270 0.33 0 "${pytest[@]}" ;;
     suite-033-dyn) part suite_033_dyn 290 0.33 1 "${pytest[@]}" ;;
-    gpu) part gpu 150 0.3.75 0 "${pytest[@]}" tests/engine -m gpu ;;
-    gpu-033) part gpu_033 150 0.33 0 "${pytest[@]}" tests/engine -m gpu ;;
-    gpu-033-dyn) part gpu_033_dyn 150 0.33 1 "${pytest[@]}" tests/engine -m gpu ;;
+    gpu) part gpu 150 0.3.75 0 bash -c "$gpu_tests" ;;
+    gpu-033) part gpu_033 150 0.33 0 bash -c "$gpu_tests" ;;
+    gpu-033-dyn) part gpu_033_dyn 150 0.33 1 bash -c "$gpu_tests" ;;
     dyn-bench) part dyn_bench 470 0.33 "" python3 bench/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
     auto-033-dyn) part auto_033_dyn 420 0.33 1 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16_033dyn.json" ;;
     auto-fp8-033-dyn) part auto_fp8_033_dyn 330 0.33 1 python3 bench/auto_window.py --format scaled_fp8 \
