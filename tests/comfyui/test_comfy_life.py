@@ -51,6 +51,11 @@ def test_wan22_two_experts_one_ring_at_a_time(experts, caplog):
         if home != "ram":   # the expert that is not sampling holds no pinned memory (ram keeps its home)
             assert high.swap_engine.att is None and high.swap_engine.pool.pinned_bytes == 0
             assert not high.swap_engine.blocks_on_device()
+        if home == "auto":   # plenty of RAM: the inactive expert keeps its resident blocks there,
+            engine = high.swap_engine   # so switching back to it reads nothing from the file
+            assert set(engine.pool.blocks) == set(range(engine.num_blocks))
+            assert torch.equal(two_expert_sample(high, low), ref)
+            assert high.swap_engine.read_back[0] == 0 and low.swap_engine.read_back[0] == 0
         switches = [r for r in caplog.records if "switched from another block-swapped model" in r.getMessage()]
         assert len(switches) >= 3
         comfy.model_management.unload_all_models()
