@@ -31,7 +31,8 @@
 # ram-32 (issue "runs on the RAM people have": home=ram with all RAM, then home=auto with a RAM ballast
 # leaving 32 GB, at 24 and 12 GiB, bf16, 7,800 tokens, ~6 min), experts-64 / experts-fp8-32 (two experts,
 # home=auto, 24 GiB, bf16 with 64 GB / scaled fp8 with 32 GB, two prompts: the second's switches, ~4 min
-# each), read-probe (bench/read_probe.py: BlockReader at 1-8 workers against the disk's O_DIRECT rate,
+# each), ram-file (home=auto, bf16, 12 GiB, a ballast leaving 20 GB: the streamed blocks do not all fit
+# in RAM, so part streams from the file, held against the disk's O_DIRECT rate, ~4 min), read-probe (bench/read_probe.py: BlockReader at 1-8 workers against the disk's O_DIRECT rate,
 # 3 GB each, ~1 min with the file's write), cfg5-first (the cfg 5, 12 GiB,
 # halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps, beside ComfyUI resident: the re-plan by
 # measured rates, ~3.5 min).
@@ -120,6 +121,7 @@ for p in "$@"; do
     experts-64) compare experts_64 260 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
     experts-fp8-32) compare experts_fp8_32 240 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
                       --rams 32 --experts 2 ;;
+    ram-file) compare ram_file 240 --tokens 7800 --configs rs-auto-0.3.75@12 --rams 20 ;;
     read-probe) part read_probe 120 0.3.75 0 python3 bench/read_probe.py --gb 3 --workers 1 4 8 --json "$OUT/read_probe.json" ;;
     cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
                   --configs comfy-0.3.75@0 rs-patch-0.3.75 ;;
