@@ -74,6 +74,24 @@ if [ ! -f "$COMFY033/main.py" ]; then
   fi
 fi
 
+# city96's ComfyUI-GGUF (not on PyPI) from ../shared/comfyui-gguf/ into .comfyui-gguf/, linked
+# into each ComfyUI's custom_nodes below, and the `gguf` package it needs (the tests write GGUF
+# files with it too).
+GGUF_TARBALL="${RINGSWAP_COMFYUI_GGUF_TARBALL:-}"
+if [ -z "$GGUF_TARBALL" ]; then
+  for f in "$root"/../shared/comfyui-gguf/ComfyUI-GGUF-*.tar.gz; do [ -f "$f" ] && GGUF_TARBALL="$f"; done
+fi
+GGUF_PACK="$root/.comfyui-gguf/ComfyUI-GGUF"
+"$VENV/bin/python" -c "import gguf" 2>/dev/null || "$VENV/bin/python" -m pip -q install "gguf==0.19.0"
+if [ ! -f "$GGUF_PACK/nodes.py" ]; then
+  if [ -n "$GGUF_TARBALL" ]; then
+    echo "[setup] extracting $GGUF_TARBALL into .comfyui-gguf/"
+    rm -rf "$root/.comfyui-gguf" && mkdir -p "$root/.comfyui-gguf" && tar xzf "$GGUF_TARBALL" -C "$root/.comfyui-gguf"
+  else
+    echo "[setup] no ../shared/comfyui-gguf/ComfyUI-GGUF-*.tar.gz: the GGUF tests will be skipped"
+  fi
+fi
+
 # The frontends the two ComfyUIs pin (their requirements.txt), one folder each, for the
 # browser tests (--front-end-root), playwright, and Debian's Chromium to run them in.
 "$VENV/bin/python" -c "import playwright" 2>/dev/null || "$VENV/bin/python" -m pip -q install playwright
@@ -96,5 +114,6 @@ for c in "$COMFY" "$COMFY033"; do
   [ -f "$c/main.py" ] || continue
   mkdir -p "$c/custom_nodes"
   [ -e "$c/custom_nodes/ringswap" ] || ln -s "$root" "$c/custom_nodes/ringswap"
+  [ ! -f "$GGUF_PACK/nodes.py" ] || [ -e "$c/custom_nodes/ComfyUI-GGUF" ] || ln -s "$GGUF_PACK" "$c/custom_nodes/ComfyUI-GGUF"
 done
 echo "[setup] ready: $VENV, ComfyUI 0.3.75 at $COMFY$([ -f "$COMFY033/main.py" ] && echo ", ComfyUI 0.33 at $COMFY033")"

@@ -11,6 +11,7 @@ from torch import nn
 
 from ...swap import BlockSwapEngine
 from ...swap.layout import BlockLayout
+from . import gguf_tensors
 from .block_lists import find_block_lists, nonblock_bytes
 from .run_state import swap_state_on
 
@@ -29,6 +30,7 @@ class SwapState:
         self.block_keys = [f"diffusion_model.{n}.{j}." for n, blocks in lists for j in range(len(blocks))]
         self.block_index = {k: i for i, k in enumerate(self.block_keys)}
         self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
+        gguf_tensors.register_for(diffusion_model)
         self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
         self.measured: dict = {}   # (latent shape, conds a call) -> run_plan.Measured (activation peak, compute time)
         self.nonblock_bytes = nonblock_bytes(diffusion_model, self.list_names)

@@ -1,0 +1,60 @@
+"""GGUF models (city96's ComfyUI-GGUF, the real pack from ../shared) block-swapped by RingSwap
+Patch: the Unet Loader (GGUF) MODEL streams its quantized blocks in their GGUF bytes and the
+output equals ComfyUI-GGUF's own run bit for bit."""
+import os
+
+import pytest
+import torch
+
+import comfy.model_management
+import folder_paths
+
+from conftest import COMFY
+from ringswap.nodes.patch import RingSwapPatch
+from support.gguf_files import QTYPES, comfyui_gguf_pack, write_wan_gguf
+from wan_model import forward, inputs, tiny_wan
+
+PACK = comfyui_gguf_pack(COMFY)
+if PACK is None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"ComfyUI-GGUF is not linked into {COMFY}/custom_nodes (make test does it from ../shared)",
+                    pytrace=False)
+    pytestmark = pytest.mark.skip(reason=f"ComfyUI-GGUF not in {COMFY}/custom_nodes (no ../shared/comfyui-gguf)")
+
+BLOCKS = 4
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("gguf_models"))
+    src = tiny_wan(d, blocks=BLOCKS, dtype=torch.float32)
+    for q in QTYPES:
+        write_wan_gguf(src, os.path.join(d, f"wan_{q}.gguf"), q)
+    folder_paths.add_model_folder_path("diffusion_models", d)   # "unet" is its legacy name
+    yield d
+    folder_paths.folder_names_and_paths["diffusion_models"][0].remove(d)
+
+
+def load_gguf(name):
+    (model,) = PACK.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]().load_unet(name)
+    return model
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype):
+    """Unet Loader (GGUF) alone vs -> RingSwap Patch at windows 1, 2 and all, prefetch 0-2,
+    two runs each: bit-identical; the streamed blocks travel in their GGUF bytes."""
+    name = f"wan_{qtype}.gguf"
+    stock = load_gguf(name)
+    assert type(stock).__name__ == "GGUFModelPatcher"
+    want = forward(stock, *inputs(seed=0))
+    comfy.model_management.unload_all_models()
+    for window, prefetch in ((1, 0), (1, 1), (2, 2), (BLOCKS, 1)):
+        (model,) = RingSwapPatch().patch(load_gguf(name), window, prefetch, "auto")
+        engine = model.swap_engine
+        for _ in range(2):
+            assert torch.equal(forward(model, *inputs(seed=0)), want), (qtype, window, prefetch)
+        qkv = next(a for a in engine.states[0].layout.attrs if (a.path, a.name) == ("self_attn.q", "weight"))
+        entry = engine.states[0].layout.entries[qkv.entries[0]]
+        assert entry.dtype == torch.uint8 and qkv.codec is not None, "the block weight travels as GGUF bytes"
+        comfy.model_management.unload_all_models()
