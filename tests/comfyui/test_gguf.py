@@ -58,3 +58,18 @@ def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype):
         entry = engine.states[0].layout.entries[qkv.entries[0]]
         assert entry.dtype == torch.uint8 and qkv.codec is not None, "the block weight travels as GGUF bytes"
         comfy.model_management.unload_all_models()
+
+
+def test_lora_on_a_gguf_model_is_refused_clearly(gguf_dir):
+    """Until LoRAs on GGUF fold once per landing, a LoRA on a GGUF MODEL under RingSwap Patch
+    is refused with an error that says so (never a silently wrong fold of GGUF bytes)."""
+    import comfy.sd
+    from support.lora_files import build_lora, from_diffusers_names
+    lora = from_diffusers_names(build_lora("kohya", blocks=BLOCKS))
+    stock, _ = comfy.sd.load_lora_for_models(load_gguf("wan_Q8_0.gguf"), None, lora, 1.0, 0)
+    assert stock.patches
+    (model,) = RingSwapPatch().patch(stock, 2, 1, "auto")
+    with pytest.raises(Exception, match="GGUF") as ei:
+        forward(model, *inputs(seed=0))
+    assert "LoRA" in str(ei.value), str(ei.value)
+    comfy.model_management.unload_all_models()
