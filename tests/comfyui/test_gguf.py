@@ -73,3 +73,28 @@ def test_lora_on_a_gguf_model_is_refused_clearly(gguf_dir):
         forward(model, *inputs(seed=0))
     assert "LoRA" in str(ei.value), str(ei.value)
     comfy.model_management.unload_all_models()
+
+
+@pytest.mark.server
+def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_server):
+    """As a user would: Unet Loader (GGUF) -> KSampler vs Unet Loader (GGUF) -> RingSwap Patch
+    (windows 1 and 2) -> KSampler on a server that loaded the real ComfyUI-GGUF pack: the same
+    latent bit for bit, two runs each."""
+    from safetensors.torch import load_file
+    from support.workflows import build_workflow
+    d = os.path.join(shared_models, "diffusion_models")
+    os.makedirs(d, exist_ok=True)
+    name = "tiny_wan_http_Q8_0.gguf"
+    write_wan_gguf(tiny_wan(str(shared_models), blocks=BLOCKS, dtype=torch.float32, seed=3), os.path.join(d, name))
+    assert "UnetLoaderGGUF" in shared_server.object_info(), "the server did not load ComfyUI-GGUF"
+
+    def latent(use_patch, window=2, prefix="gguf_stock"):
+        wf = build_workflow(name, use_patch=use_patch, window=window, seed=5, steps=2, filename_prefix=prefix)
+        wf["1"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": name}}
+        entry = shared_server.run(wf, timeout=300)
+        (path,) = [p for p in shared_server.output_files(entry, "latents") if os.path.isfile(p)]
+        return load_file(path)["latent_tensor"]
+    want = latent(False)
+    for window in (1, 2):
+        for run in range(2):
+            assert torch.equal(latent(True, window, f"gguf_w{window}_{run}"), want), (window, run)
