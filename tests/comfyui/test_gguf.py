@@ -22,14 +22,15 @@ if PACK is None:
     pytestmark = pytest.mark.skip(reason=f"ComfyUI-GGUF not in {COMFY}/custom_nodes (no ../shared/comfyui-gguf)")
 
 BLOCKS = 4
+FILES = [(q, "F32") for q in QTYPES] + [("Q8_0", "F16")]   # (block linears, the other 2-D+ tensors)
 
 
 @pytest.fixture(scope="module")
 def gguf_dir(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("gguf_models"))
     src = tiny_wan(d, blocks=BLOCKS, dtype=torch.float32)
-    for q in QTYPES:
-        write_wan_gguf(src, os.path.join(d, f"wan_{q}.gguf"), q)
+    for q, other in FILES:
+        write_wan_gguf(src, os.path.join(d, f"wan_{q}_{other}.gguf"), q, other)
     folder_paths.add_model_folder_path("diffusion_models", d)   # "unet" is its legacy name
     yield d
     folder_paths.folder_names_and_paths["diffusion_models"][0].remove(d)
@@ -40,13 +41,15 @@ def load_gguf(name):
     return model
 
 
-@pytest.mark.parametrize("qtype", list(QTYPES))
-def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype):
+@pytest.mark.parametrize("qtype,other", FILES)
+def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype, other):
     """Unet Loader (GGUF) alone vs -> RingSwap Patch at windows 1, 2 and all, prefetch 0-2,
     two runs each: bit-identical; the streamed blocks travel in their GGUF bytes."""
-    name = f"wan_{qtype}.gguf"
+    name = f"wan_{qtype}_{other}.gguf"
     stock = load_gguf(name)
     assert type(stock).__name__ == "GGUFModelPatcher"
+    types = {getattr(getattr(t, "tensor_type", None), "name", None) for t in stock.model.diffusion_model.parameters()}
+    assert qtype in types and other in types, types
     want = forward(stock, *inputs(seed=0))
     comfy.model_management.unload_all_models()
     for window, prefetch in ((1, 0), (1, 1), (2, 2), (BLOCKS, 1)):
@@ -66,7 +69,7 @@ def test_lora_on_a_gguf_model_is_refused_clearly(gguf_dir):
     import comfy.sd
     from support.lora_files import build_lora, from_diffusers_names
     lora = from_diffusers_names(build_lora("kohya", blocks=BLOCKS))
-    stock, _ = comfy.sd.load_lora_for_models(load_gguf("wan_Q8_0.gguf"), None, lora, 1.0, 0)
+    stock, _ = comfy.sd.load_lora_for_models(load_gguf("wan_Q8_0_F32.gguf"), None, lora, 1.0, 0)
     assert stock.patches
     (model,) = RingSwapPatch().patch(stock, 2, 1, "auto")
     with pytest.raises(Exception, match="GGUF") as ei:

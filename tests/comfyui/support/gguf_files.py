@@ -1,7 +1,7 @@
 """Tiny Wan GGUF files as ComfyUI-GGUF reads them, written with the `gguf` package from a tiny
-Wan safetensors file: block linear weights quantized with gguf.quants (Q8_0, Q5_0, Q4_0, or a
-K-quant: random valid blocks are not what gguf.quants makes, so K-quants are not written
-here yet), everything else F32 (or F16), and tensors of more than four dimensions (Wan's patch
+Wan safetensors file: block linear weights quantized with gguf.quants (Q8_0, Q5_0, Q4_0), or
+Q4_K made of random valid blocks where a row holds whole 256-weight super-blocks (gguf.quants
+does not quantize K-quants; the other linears then Q8_0), everything else F32 (or F16), and tensors of more than four dimensions (Wan's patch
 embedding) flattened with their shape in `comfy.gguf.orig_shape.<name>`, as ComfyUI-GGUF's
 converter stores them."""
 from __future__ import annotations
@@ -11,22 +11,40 @@ import os
 import sys
 
 import gguf
+import numpy as np
 from safetensors.torch import load_file
 
 QTYPES = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q5_0": gguf.GGMLQuantizationType.Q5_0,
-          "Q4_0": gguf.GGMLQuantizationType.Q4_0}
+          "Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_K": gguf.GGMLQuantizationType.Q4_K}
+
+
+def random_q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid Q4_K bytes for a rows x cols weight: per 256 weights d and dmin (f16, small), 12
+    bytes of 6-bit scales and mins, 128 bytes of 4-bit values, all random."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    blocks = np.empty((n, 144), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(1e-4, 5e-4, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    blocks[:, 2:4] = rng.uniform(1e-4, 5e-4, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    blocks[:, 4:] = rng.integers(0, 256, (n, 140), dtype=np.uint8)
+    return blocks.reshape(rows, cols // 256 * 144)
 
 
 def write_wan_gguf(safetensors_path: str, path: str, qtype: str = "Q8_0", other: str = "F32") -> str:
     """`path` (.gguf) holding the Wan model of `safetensors_path`, block linears in `qtype`."""
     q = QTYPES[qtype]
-    block_size = gguf.GGML_QUANT_SIZES[q][0]
     w = gguf.GGUFWriter(path, "wan")
-    for key, t in load_file(safetensors_path).items():
+    for n, (key, t) in enumerate(load_file(safetensors_path).items()):
         a = t.float().numpy()
-        if key.startswith("blocks.") and key.endswith(".weight") and t.ndim == 2 and t.shape[1] % block_size == 0:
-            data = gguf.quants.quantize(a, q)
+        linear = key.startswith("blocks.") and key.endswith(".weight") and t.ndim == 2
+        if linear and q == gguf.GGMLQuantizationType.Q4_K and t.shape[1] % 256 == 0:
+            data = random_q4_k(*t.shape, seed=n)
             w.add_tensor(key, data, raw_shape=data.shape, raw_dtype=q)
+            continue
+        kind = gguf.GGMLQuantizationType.Q8_0 if q == gguf.GGMLQuantizationType.Q4_K else q
+        if linear and t.shape[1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            data = gguf.quants.quantize(a, kind)
+            w.add_tensor(key, data, raw_shape=data.shape, raw_dtype=kind)
             continue
         if t.ndim > 4:
             w.add_array(f"comfy.gguf.orig_shape.{key}", list(t.shape))
