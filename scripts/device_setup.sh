@@ -154,6 +154,8 @@ PYEOF
   fi
   mkdir -p "$comfy/custom_nodes" &&
     ln -sfn "${RINGSWAP_PACK_DIR:-$root}" "$comfy/custom_nodes/ringswap" || { _rs_fail "linking the repo into $comfy/custom_nodes"; return 1; }
+  # ComfyUI-GGUF where the call carries .comfyui-gguf (made by scripts/setup_env.sh from ../shared)
+  [ ! -f "$root/.comfyui-gguf/ComfyUI-GGUF/nodes.py" ] || ln -sfn "$root/.comfyui-gguf/ComfyUI-GGUF" "$comfy/custom_nodes/ComfyUI-GGUF"
 
   case ":${PYTHONPATH:-}:" in *":$site:"*) ;; *) export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" ;; esac
   export RINGSWAP_COMFYUI_DIR="$comfy"

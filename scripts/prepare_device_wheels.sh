@@ -59,6 +59,7 @@ PINS=(
   comfy-aimdo==0.4.13                              # 0.33: dynamic VRAM (abi3, manylinux_2_17)
   simpleeval==1.0.8 blake3==1.0.11                 # 0.33: hard imports at startup
   PyOpenGL==3.1.10 comfy-angle==0.1.1              # 0.33: its GLSL nodes import them (8.3 MB)
+  gguf==0.19.0                                     # ComfyUI-GGUF (.comfyui-gguf, a carry path) and its tests
   diffusers==0.42.1                                # bench/compare.py: group offloading (pure Python;
                                                    # its other needs, accelerate included, are there)
 )
