@@ -3,14 +3,16 @@ and keys, the measured runs), kept on the model itself. It is the model's
 lora.blocks.SwappedBlocks, so the LoRA fold finds blocks without reaching into the engine."""
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 
 import comfy.model_patcher
+import torch
 from torch import nn
 
 from ...swap import BlockSwapEngine
-from ...swap.layout import BlockLayout
+from ...swap.layout import BlockLayout, codec_for
 from . import gguf_tensors
 from .block_lists import find_block_lists, nonblock_bytes
 from .run_state import swap_state_on
@@ -31,6 +33,7 @@ class SwapState:
         self.block_index = {k: i for i, k in enumerate(self.block_keys)}
         self.prefixes = tuple(f"diffusion_model.{n}." for n in self.list_names)
         gguf_tensors.register_for(diffusion_model)
+        _refuse_unknown_tensors(lists)
         self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
         self.measured: dict = {}   # (latent shape, conds a call) -> run_plan.Measured (activation peak, compute time)
         self.nonblock_bytes = nonblock_bytes(diffusion_model, self.list_names)
@@ -62,6 +65,22 @@ class SwapState:
             state = cls(dm)
             dm.ringswap_state = state
         return state
+
+
+def _refuse_unknown_tensors(lists: list) -> None:
+    """A block tensor of a tensor class RingSwap has no codec for (another pack's quantization)
+    would move as plain bytes and lose what its class carries: refuse it by name, with nothing
+    installed, instead of computing silently wrong."""
+    plain = (torch.Tensor, nn.Parameter, nn.Buffer) if hasattr(nn, "Buffer") else (torch.Tensor, nn.Parameter)
+    for list_name, blocks in lists:
+        for j, block in enumerate(blocks):
+            for name, t in itertools.chain(block.named_parameters(), block.named_buffers()):
+                if type(t) not in plain and codec_for(t) is None:
+                    raise ValueError(
+                        f"RingSwap: cannot block-swap '{list_name}.{j}.{name}': its tensor is a "
+                        f"{type(t).__module__}.{type(t).__name__}, a format RingSwap cannot move (it knows "
+                        "ComfyUI's own quantized tensors, comfy_kitchen's and ComfyUI-GGUF's); sample this "
+                        "MODEL without RingSwap Patch")
 
 
 def _warn_unlisted(diffusion_model: nn.Module, listed: list[str]) -> None:

@@ -101,3 +101,4 @@ def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_serve
     for window in (1, 2):
         for run in range(2):
             assert torch.equal(latent(True, window, f"gguf_w{window}_{run}"), want), (window, run)
+

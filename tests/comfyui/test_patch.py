@@ -204,3 +204,22 @@ def test_patcher_class_and_clone(reference):
     c = model.clone()
     assert isinstance(c, SwapModelPatcher) and c.ringswap == model.ringswap
     assert c.swap_engine is model.swap_engine
+
+
+class OtherQuant(torch.Tensor):
+    """Another pack's quantized weight class, unknown to RingSwap."""
+
+
+def test_a_tensor_class_ringswap_cannot_move_is_refused_by_name(tmp_path):
+    """A MODEL whose block weight is of a tensor class RingSwap has no codec for: RingSwap Patch
+    refuses it naming the weight and the class, installs nothing, and the model still samples."""
+    stock = load_stock(tiny_wan(str(tmp_path), blocks=BLOCKS))
+    want = forward(stock, *inputs(seed=0))
+    comfy.model_management.unload_all_models()
+    lin = stock.model.diffusion_model.blocks[1].ffn[0]
+    lin.weight = torch.nn.Parameter(lin.weight.data.as_subclass(OtherQuant), requires_grad=False)
+    with pytest.raises(ValueError, match=r"cannot block-swap 'blocks\.1\.ffn\.0\.weight'.*OtherQuant"):
+        RingSwapPatch().patch(stock, 2, 1, "auto")
+    assert getattr(stock.model.diffusion_model, "ringswap_state", None) is None
+    lin.weight = torch.nn.Parameter(lin.weight.data.as_subclass(torch.Tensor), requires_grad=False)
+    assert torch.equal(forward(stock, *inputs(seed=0)), want)
