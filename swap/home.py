@@ -97,9 +97,9 @@ def capture(states: list, pool: HostPool) -> None:
         s.binding.bind(s.layout.views(buf.flat))
 
 
-def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int) -> int:
+def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int) -> None:
     """Copy resident blocks without a home from the device into new homes, in order, while
-    they fit in `nbytes`; returns the bytes captured (stops where host memory runs out)."""
+    they fit in `nbytes` (stops where host memory runs out)."""
     done = 0
     for i in resident:
         s = states[i]
@@ -112,7 +112,6 @@ def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nb
             break
         buf.flat.copy_(s.device_buffer)
         done += s.layout.nbytes
-    return done
 
 
 def settle(kind: str, states: list, pool: HostPool, att) -> None:

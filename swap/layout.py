@@ -10,6 +10,7 @@ structure share one `BlockLayout`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -91,6 +92,11 @@ class BlockLayout:
                     offset += _align(nbytes)
                 attrs.append(AttrEntry(path, name, is_param, tuple(range(first, len(entries))), codec, spec))
         return cls(tuple(entries), tuple(attrs), offset)
+
+    @functools.cached_property
+    def rejoins(self) -> bool:
+        """Whether a packed tensor of this layout is joined afresh at every bind (`fresh_join`)."""
+        return any(a.codec is not None and a.codec.fresh_join for a in self.attrs)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Typed tensor views of `flat` (uint8), one per entry."""

@@ -1,7 +1,8 @@
 """The ring of device slots that streamed blocks pass through.
 
 A fixed table of slots; each is owned by at most one block at a time, and the table
-says which, so no block ever runs with another block's weights. A slot is refilled only after the compute stream has passed the
+says which, so no block ever runs with another block's weights. A slot is refilled only
+after the compute stream has passed the
 `free` event recorded when its previous owner finished.
 """
 from __future__ import annotations
@@ -36,7 +37,9 @@ class Slot:
     def joined(self, layout: BlockLayout) -> list:
         """What a block of `layout` landed here binds (BlockLayout.joined over this slot's views),
         its packed tensors kept from the last block where their codec allows."""
-        v = self._joined[layout] = layout.joined(self.views(layout), self._joined.get(layout))
+        v = self._joined.get(layout)
+        if v is None or layout.rejoins:
+            v = self._joined[layout] = layout.joined(self.views(layout), v)
         return v
 
 

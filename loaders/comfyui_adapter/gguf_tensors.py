@@ -28,14 +28,9 @@ class GgmlCodec:
         return self.cls(parts[0], tensor_type=tensor_type, tensor_shape=tensor_shape)
 
 
-def register_for(module: nn.Module) -> bool:
-    """Register the codec for the GGMLTensor class of `module`'s tensors, if it has any;
-    whether it has."""
-    found = False
+def register_for(module: nn.Module) -> None:
+    """Register the codec for the GGMLTensor class of `module`'s tensors, if it has any."""
     for t in itertools.chain(module.parameters(), module.buffers()):
         cls = type(t)
-        if cls.__name__ == CLASS_NAME and hasattr(t, "tensor_type") and hasattr(t, "tensor_shape"):
-            found = True
-            if codec_for(t) is None:
-                register_codec(cls, GgmlCodec(cls))
-    return found
+        if cls.__name__ == CLASS_NAME and hasattr(t, "tensor_type") and codec_for(t) is None:
+            register_codec(cls, GgmlCodec(cls))
