@@ -288,11 +288,12 @@ def child_result(cmd: list[str], timeout_s: float, env: dict | None = None, cwd:
     """Run a benchmark child process; its result is the JSON after the last `RESULT ` line of
     its stdout. On failure: {"error": tail of its output, "rc": exit status}."""
     t0 = time.perf_counter()
+    env = dict(os.environ if env is None else env, RINGSWAP_CHILD_TIMEOUT_S=str(timeout_s))
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=cwd)
     except subprocess.TimeoutExpired as e:
         tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        return {"error": f"timed out after {timeout_s:.0f} s: {tail[-2000:]}", "rc": 124}
+        return {"error": f"timed out after {timeout_s:.0f} s: {tail[-12000:]}", "rc": 124}
     found = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode != 0 or not found:
         return {"error": (p.stderr or p.stdout)[-3000:], "rc": p.returncode}
@@ -326,6 +327,9 @@ def start(a, child) -> bool:
     tell ComfyUI so before it looks for CUDA."""
     a.tokens = a.tokens or ([64] if a.small else [7800, 32760])
     if a.child:
+        if os.environ.get("RINGSWAP_CHILD_TIMEOUT_S"):   # a hang shows its stacks before the kill
+            import faulthandler
+            faulthandler.dump_traceback_later(max(5.0, float(os.environ["RINGSWAP_CHILD_TIMEOUT_S"]) - 8.0))
         print("RESULT " + json.dumps(child(a), default=str), flush=True)
         return True
     if a.device == "cpu":

@@ -118,7 +118,7 @@ for p in "$@"; do
     compare-smoke) compare smoke 300 --configs floor diffusers rs-patch-0.33-dyn --caps 24 --tokens 7800 ;;
     ram-32) compare ram_ref 200 --tokens 7800 --configs rs-loader-0.3.75 --caps 24 12
             compare ram_32 200 --tokens 7800 --configs rs-auto-0.3.75 --caps 24 12 --rams 32 ;;
-    experts-64) compare experts_64 260 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
+    experts-64) compare experts_64 560 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
     experts-fp8-32) compare experts_fp8_32 240 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
                       --rams 32 --experts 2 ;;
     ram-file) compare ram_file 240 --tokens 7800 --configs rs-auto-0.3.75@12 --rams 20 ;;

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -100,7 +101,7 @@ def capture(states: list, pool: HostPool) -> None:
 def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int) -> None:
     """Copy resident blocks without a home from the device into new homes, in order, while
     they fit in `nbytes` (stops where host memory runs out)."""
-    done = 0
+    done, t0 = 0, time.perf_counter()
     for i in resident:
         s = states[i]
         if s.device_buffer is None or i in pool.blocks or done + s.layout.nbytes > nbytes:
@@ -108,10 +109,13 @@ def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nb
         try:
             buf = pool.add(i, s.layout.nbytes)
         except (OSError, RuntimeError) as e:
-            log.info("RingSwap: kept %.2f GB of resident blocks in RAM; no more host memory (%s)", done / 1e9, e)
+            log.info("RingSwap: no more host memory for resident blocks (%s)", e)
             break
         buf.flat.copy_(s.device_buffer)
         done += s.layout.nbytes
+    if done:
+        log.info("RingSwap: kept %.2f GB of resident blocks in RAM for the next load (%.2f s; room %.2f GB)",
+                 done / 1e9, time.perf_counter() - t0, nbytes / 1e9)
 
 
 def settle(kind: str, states: list, pool: HostPool, att) -> None:
