@@ -35,14 +35,12 @@ def room(engine, ram_budget_gb: float) -> tuple[int, str]:
 
 def capture_room(engine, ram_budget_gb: float) -> int:
     """Bytes of resident blocks a home=auto model taken off the GPU may keep in RAM (so the next
-    attach places them without reading the file): what `room` leaves beside the homes it holds,
-    less as much again for the model that loads next (its own streamed homes). 0 for other homes."""
+    attach places them without reading the file): what `room` leaves beside the homes it holds.
+    The model that loads next counts that RAM as taken. 0 for other homes."""
     if engine.home != "auto":
         return 0
-    if ram_budget_gb > 0:
-        return max(0, int(ram_budget_gb * GB) - engine.pool.nbytes)
-    nbytes, _ = room(engine, 0.0)
-    return max(0, nbytes - 2 * engine.pool.nbytes)
+    nbytes, _ = room(engine, ram_budget_gb)
+    return max(0, nbytes - engine.pool.nbytes)
 
 
 def split_for(engine, plan: ResidencyPlan, ram_budget_gb: float) -> RamSplit | None:

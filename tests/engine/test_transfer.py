@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from ringswap.swap import transfer
+from ringswap.swap.home import Download
+from ringswap.swap.host_pool import mapped_bytes
 from ringswap.swap.transfer import CopyStream
 
 
@@ -59,3 +61,19 @@ def test_cuda_copies_timed_from_the_stream_order():
     copy_s, wait_s, _, _ = copier.take_times()
     assert 0.8 * 4 * per_copy <= copy_s <= 1.25 * 4 * per_copy, (copy_s, per_copy)
     assert 0.8 * copy_s <= wait_s <= 1.05 * copy_s, (wait_s, copy_s)
+
+
+@pytest.mark.gpu
+def test_download_through_staging_chunks_is_exact():
+    """home.Download copies a device buffer into fresh pageable memory through two pinned
+    chunks; every byte lands, across chunk borders and a short last chunk, on every call."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with Download() as download:
+        for n in (Download.CHUNK * 2 + 12345, 1000):
+            src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+            dest = mapped_bytes(n)
+            download(src, dest)
+            assert torch.equal(dest, src.cpu())
+        assert all(c.pinned for c in download.chunks)
+    assert not download.chunks
