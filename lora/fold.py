@@ -21,26 +21,43 @@ import torch
 
 from .blocks import SwappedBlocks
 from .checks import attr_index, attr_shape, check_patches, effective_patches
-from .fold_ops import FoldOp, make_op
+from .dense_fold import WORKSPACE_FLOATS, DenseOp, is_dense_packed, is_plain_packed
+from .fold_ops import FoldOp, PlainOp, make_op
 
 log = logging.getLogger("ringswap.fold")
 
-FoldFn = Callable[[int, list[torch.Tensor]], None]
+FoldFn = Callable[[int, list[torch.Tensor]], "dict[int, torch.Tensor] | None"]
 
 
 class BlockFolder:
-    """The fold work of every block: `folder(block, tensors)` runs it on a landed block."""
+    """The fold work of every block: `folder(block, tensors)` runs it on a landed block and
+    returns the dense weights the block binds instead of packed ones (dense_fold), if any."""
 
     def __init__(self, ops: dict[int, list[FoldOp]]):
         self.ops = ops
 
-    def __call__(self, block: int, tensors: list[torch.Tensor]) -> None:
+    def __call__(self, block: int, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
         ops = self.ops.get(block)
         if not ops:
-            return
+            return None
+        dense = None
         with torch.no_grad():
             for op in ops:
-                op(tensors)
+                out = op(tensors)
+                if out is not None:
+                    dense = dense or {}
+                    dense[op.attr] = out
+        return dense
+
+    def extra_bytes(self, block: int) -> int:
+        """Device bytes a landing of `block` holds beyond its own: its dense weights."""
+        return sum(op.nbytes for op in self.ops.get(block, ()) if isinstance(op, DenseOp))
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Device bytes the largest dense fold needs for its temporaries (one at a time)."""
+        return max((op.numel * 4 * WORKSPACE_FLOATS for ops in self.ops.values() for op in ops
+                    if isinstance(op, DenseOp)), default=0)
 
     def release(self) -> None:
         """Drop the LoRA pairs kept on the device (when the model leaves it)."""
@@ -65,10 +82,12 @@ def _comfyui_patches(block, attr) -> bool:
 
 
 def block_folder(blocks: SwappedBlocks, patches_by_key: dict,
-                 patch_dtype: torch.dtype = torch.float32) -> FoldFn | None:
+                 patch_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32
+                 ) -> BlockFolder | None:
     """The per-landing fold of the block patches among `patches_by_key` (a patcher's
     `patches`), or None if no block weight is patched. `patch_dtype`: what ComfyUI patches
-    plain weights in on the fold's device (float32, or 0.33's `lora_compute_dtype`). Raises
+    plain weights in on the fold's device (float32, or 0.33's `lora_compute_dtype`);
+    `compute_dtype`: what the model's layers compute in (the dtype of a dense fold). Raises
     ValueError for a patch that cannot apply (e.g. a shape mismatch)."""
     ops: dict[int, list[FoldOp]] = {}
     index_cache: dict[int, dict[str, int]] = {}
@@ -94,7 +113,13 @@ def block_folder(blocks: SwappedBlocks, patches_by_key: dict,
             continue
         if all(p[3] is None for p in patches):
             check_patches(key, patches, attr_shape(layout, attr))
-        ops.setdefault(b, []).append(make_op(key, patches, layout, attr, names, patch_dtype))
+        if is_dense_packed(layout, attr):   # ComfyUI-GGUF: dequantized and patched once per landing
+            op = DenseOp(key, patches, i, layout, module.get_submodule(attr.path), compute_dtype)
+        elif is_plain_packed(layout, attr):   # its F32/F16 tensors: patched in float32 as the pack does
+            op = PlainOp(key, patches, attr.entries[0], torch.float32)
+        else:
+            op = make_op(key, patches, layout, attr, names, patch_dtype)
+        ops.setdefault(b, []).append(op)
     if left_out:
         log.info("RingSwap LoRA: %d patched block tensors are left out, as ComfyUI's own loader leaves them "
                  "out (parameters of non-leaf modules, buffers), e.g. %s", len(left_out), left_out[0])

@@ -262,9 +262,5 @@ def make_op(key, patches, layout, attr, attrs_by_name, patch_dtype: torch.dtype 
         if layout_type == "TensorCoreFP8Layout" and tuple(tensor_keys) == ("scale",) and qdtype in FP8_DTYPES:
             return ScaledFp8Op(key, patches, attr.entries[0], attr.entries[1])
         raise ValueError(f"RingSwap LoRA: cannot patch '{key}': quantized layout {layout_type} is not supported")
-    if type(joined).__name__ == "GGMLTensor":
-        raise ValueError(f"RingSwap LoRA: cannot patch '{key}': LoRAs on GGUF (ComfyUI-GGUF) weights are not "
-                         "folded by RingSwap yet; sample this MODEL without RingSwap Patch, or use the LoRA with "
-                         "a safetensors model")
     raise ValueError(f"RingSwap LoRA: cannot patch '{key}': unknown packed tensor {type(joined).__name__}")
 

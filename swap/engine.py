@@ -121,13 +121,15 @@ class BlockSwapEngine:
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, plan: ResidencyPlan,
                pin_memory: str = "auto", owner: object = None,
-               on_land: Callable[[int, list[torch.Tensor]], None] | None = None,
+               on_land: Callable[[int, list[torch.Tensor]], dict[int, torch.Tensor] | None] | None = None,
                ram_blocks: Iterable[int] | None = None,
                progress: Callable[[int, int], None] | None = None) -> ResidencyPlan:
         """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` runs on the compute stream right after a block's weights
-        land on the device and before it computes (e.g. to fold LoRA deltas in place);
-        the host copy is never touched. `ram_blocks` (home=auto): the streamed blocks to
+        land on the device and before it computes (e.g. to fold LoRA deltas in place); it may
+        return {attr index: tensor} for the block to bind instead (e.g. a packed weight's
+        dense form), held until the block's slot or buffer is refilled; the host copy is
+        never touched. `ram_blocks` (home=auto): the streamed blocks to
         hold in RAM, see `ram_homes`. `progress(done_bytes, total_bytes)` follows what is
         read from the file (homes, resident blocks without one). Attaching again with the
         same settings keeps everything and only takes `owner`. A resident block still on the
@@ -170,7 +172,9 @@ class BlockSwapEngine:
             att.copier.take_times()   # resident placement is loading, not a run's copies
             if on_land is not None:
                 for i in placing:
-                    on_land(i, self.states[i].binding.current())
+                    replaced = on_land(i, self.states[i].binding.current())
+                    if replaced:
+                        self.states[i].binding.bind_some(replaced)
             att.stats = att.new_stats()
         except BaseException:
             if pinning is not None:
@@ -280,7 +284,7 @@ class BlockSwapEngine:
         previous owner is done."""
         att = self.att
         slot.owner = block
-        slot.landed = False
+        slot.landed, slot.replaced = False, None
         att.stats.copies += 1
         att.stats.bytes_copied += self.states[block].layout.nbytes
         (att.ram if block in self.pool.blocks else att.file).start(block, slot)
@@ -299,9 +303,11 @@ class BlockSwapEngine:
         s = self.states[block]
         s.slot = slot
         if att.on_land is not None and not slot.landed:
-            att.copier.landed(att.on_land, block, slot.views(s.layout), since=(waited, slot.ready))
+            slot.replaced = att.copier.landed(att.on_land, block, slot.views(s.layout), since=(waited, slot.ready))
         slot.landed = True
         s.binding.bind_joined(slot.joined(s.layout))
+        if slot.replaced:
+            s.binding.bind_some(slot.replaced)
         att.stats.forwards += 1
         if self.observer is not None:
             self.observer()

@@ -149,6 +149,14 @@ class BlockBinding:
         """Point the block's parameters and buffers at `tensors` (no copy)."""
         self.bind_joined(self.layout.joined(tensors))
 
+    def bind_some(self, values: dict[int, torch.Tensor]) -> None:
+        """Point the attributes at these indices (into `layout.attrs`) at other tensors, e.g.
+        a packed weight's dense form made when the block landed."""
+        for k, v in values.items():
+            module, a = self.targets[k]
+            (module._parameters if a.is_param else module._buffers)[a.name] = \
+                nn.Parameter(v, requires_grad=False) if a.is_param and not isinstance(v, nn.Parameter) else v
+
     def bind_joined(self, values: list) -> None:
         """Point the block's parameters and buffers at `values` from `layout.joined`."""
         for (module, a), v in zip(self.targets, values):

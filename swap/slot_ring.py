@@ -25,6 +25,7 @@ class Slot:
     free: object = None                   # event: the previous owner's compute is done
     reading: bool = False                 # the owner comes from the file and is not copied yet
     landed: bool = False                  # on_land has run for the current owner
+    replaced: dict | None = None          # what on_land had the current owner bind instead (attr -> tensor)
     _views: dict = field(default_factory=dict)
     _joined: dict = field(default_factory=dict)
 

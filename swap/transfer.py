@@ -125,22 +125,24 @@ class CopyStream:
         self._waits.add((ready, before))
         return before
 
-    def landed(self, fn, *args, since: tuple = ()) -> None:
-        """Run the on-land work `fn(*args)` on the compute stream; time one landing in
-        LAND_SAMPLE, from the latest of `since` (the events it waited for) to its end."""
+    def landed(self, fn, *args, since: tuple = ()):
+        """Run the on-land work `fn(*args)` on the compute stream and return what it returns;
+        time one landing in LAND_SAMPLE, from the latest of `since` (the events it waited
+        for) to its end."""
         timed = self._landings % LAND_SAMPLE == 0
         self._landings += 1
         if not self.cuda:
             t0 = time.perf_counter()
-            fn(*args)
+            out = fn(*args)
             if timed:
                 self._lands.add((time.perf_counter() - t0,))
-            return
-        fn(*args)
+            return out
+        out = fn(*args)
         if timed and any(e is not None for e in since):
             end = _timing_event()
             end.record(torch.cuda.current_stream(self.device))
             self._lands.add((end, *since))
+        return out
 
     def record_compute(self) -> "torch.cuda.Event | None":
         """An event marking the end of the compute enqueued so far (timing: a copy into the

@@ -95,6 +95,15 @@ def lora_patch_dtype(device: torch.device) -> torch.dtype:
     return fn(device) if fn is not None else torch.float32
 
 
+def inference_dtype(base_model) -> torch.dtype:
+    """The dtype a model's layers get their inputs in (0.33's `get_dtype_inference`; before
+    it, the manual-cast dtype where set, else the model's own), as `_apply_model` casts."""
+    fn = getattr(base_model, "get_dtype_inference", None)
+    if callable(fn):
+        return fn()
+    return getattr(base_model, "manual_cast_dtype", None) or base_model.get_dtype()
+
+
 # ----- dynamic VRAM -------------------------------------------------------------------
 def is_dynamic(patcher) -> bool:
     """Was this MODEL built for ComfyUI's dynamic VRAM (weights cast at use, from an mmap)?"""

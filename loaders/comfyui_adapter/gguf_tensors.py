@@ -1,13 +1,18 @@
 """ComfyUI-GGUF's GGMLTensor (a GGUF file's weights) as a packed tensor the engine moves: its
 raw bytes travel and wait in RAM as they are in the file, and it is rebuilt around the landed
 bytes with its quantization type and logical shape. The class is found by probing a model's
-tensors: ComfyUI-GGUF is a custom node pack, imported under whatever name ComfyUI gave it."""
+tensors: ComfyUI-GGUF is a custom node pack, imported under whatever name ComfyUI gave it.
+Quantized weights outside the blocks get their LoRA patches as the pack's own patcher hangs
+them (applied at each forward by its layers), since RingSwap's patcher is not the pack's."""
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 from torch import nn
+
+import comfy.utils
 
 from ...swap.layout import codec_for, register_codec
 
@@ -34,3 +39,36 @@ def register_for(module: nn.Module) -> None:
         cls = type(t)
         if cls.__name__ == CLASS_NAME and hasattr(t, "tensor_type") and codec_for(t) is None:
             register_codec(cls, GgmlCodec(cls))
+
+
+def _pack_quantized(t) -> object | None:
+    """The pack's module if `t` is one of its quantized GGMLTensors, else None."""
+    if type(t).__name__ != CLASS_NAME:
+        return None
+    pack = sys.modules.get(type(t).__module__)
+    is_quantized = getattr(pack, "is_quantized", None)
+    return pack if callable(is_quantized) and is_quantized(t) else None
+
+
+def hang_patches(patcher, key: str, device_to, inplace_update: bool) -> bool:
+    """ComfyUI-GGUF's GGUFModelPatcher.patch_weight_to_device for a quantized weight: the
+    weight moves to `device_to` carrying its patches, which the pack's layer applies when it
+    dequantizes. False (nothing done) for any other weight."""
+    weight = comfy.utils.get_attr(patcher.model, key)
+    pack = _pack_quantized(weight)
+    if pack is None:
+        return False
+    out = weight.to(device_to)
+    out.patches = [(pack.move_patch_to_device(patcher.patches[key], patcher.offload_device), key)]
+    if inplace_update:
+        comfy.utils.copy_to_param(patcher.model, key, out)
+    else:
+        comfy.utils.set_attr_param(patcher.model, key, out)
+    return True
+
+
+def drop_patches(model: nn.Module) -> None:
+    """Take the hung patches off every GGMLTensor (as the pack's unpatch_model does)."""
+    for p in model.parameters():
+        if type(p).__name__ == CLASS_NAME and getattr(p, "patches", None):
+            p.patches = []

@@ -26,7 +26,7 @@ from ...swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ...swap.host_pool import set_pin_budget
 from ...swap.planner import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
-from . import live_feed, ram_room, run_plan
+from . import gguf_tensors, live_feed, ram_room, run_plan
 from .run_state import RunState
 from .swap_state import SwapState
 
@@ -153,7 +153,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         run.plan = plan
         split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
         engine.attach(device, plan.residency, self.ringswap.pin_memory,
-                      owner=weakref.ref(self), on_land=self._block_folder(device),
+                      owner=weakref.ref(self), on_land=self.lora_folder(device),
                       ram_blocks=split.ram_blocks if split is not None else None,
                       progress=live_feed.progress_bar())
         live_feed.observe(engine, self.ringswap_node)
@@ -179,14 +179,15 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             device = torch.device("cuda", torch.cuda.current_device())
         return device
 
-    def _block_folder(self, device: torch.device):
+    def lora_folder(self, device: torch.device):
         """The LoRA fold to run on each block as it lands (None without block patches).
         Cached per patches_uuid and device, so re-attaching with unchanged patches keeps the ring."""
         if not self.patches:
             return None
         run, key = self.ringswap_run, (self.patches_uuid, device)
         if run.folder_key != key:
-            run.folder = block_folder(self.swap_state, self.patches, features.lora_patch_dtype(device))
+            run.folder = block_folder(self.swap_state, self.patches, features.lora_patch_dtype(device),
+                                      features.inference_dtype(self.model))
             run.folder_key = key
         return run.folder
 
@@ -233,10 +234,16 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         if folder is not None:
             folder.release()
 
+    def patch_weight_to_device(self, key, device_to=None, inplace_update=False, *args, **kwargs):
+        if key in self.patches and gguf_tensors.hang_patches(self, key, device_to, inplace_update):
+            return None
+        return super().patch_weight_to_device(key, device_to, inplace_update, *args, **kwargs)
+
     def unpatch_model(self, device_to=None, unpatch_weights=True, *args, **kwargs):
         if unpatch_weights:
             self.swap_engine.detach()
             self._release_folder()
+            gguf_tensors.drop_patches(self.model)
         return super().unpatch_model(device_to, unpatch_weights, *args, **kwargs)
 
     def is_clone(self, other):

@@ -63,42 +63,89 @@ def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype, other):
         comfy.model_management.unload_all_models()
 
 
-def test_lora_on_a_gguf_model_is_refused_clearly(gguf_dir):
-    """Until LoRAs on GGUF fold once per landing, a LoRA on a GGUF MODEL under RingSwap Patch
-    is refused with an error that says so (never a silently wrong fold of GGUF bytes)."""
+def lora_on(model, fmt, strength=1.0):
+    """What the stock LoraLoaderModelOnly does: comfy.sd.load_lora_for_models(model, None, ...).
+    `diffusers` (Wan's diffusers names, which ComfyUI's key map does not know): RingSwap's
+    LoRA loader (lora.apply), which adds them to ComfyUI's map."""
     import comfy.sd
-    from support.lora_files import build_lora, from_diffusers_names
-    lora = from_diffusers_names(build_lora("kohya", blocks=BLOCKS))
-    stock, _ = comfy.sd.load_lora_for_models(load_gguf("wan_Q8_0_F32.gguf"), None, lora, 1.0, 0)
-    assert stock.patches
-    (model,) = RingSwapPatch().patch(stock, 2, 1, "auto")
-    with pytest.raises(Exception, match="GGUF") as ei:
-        forward(model, *inputs(seed=0))
-    assert "LoRA" in str(ei.value), str(ei.value)
+    from ringswap.lora.apply import apply_lora
+    from support.lora_files import build_lora
+    if fmt == "diffusers":
+        patched = apply_lora(model, build_lora(fmt, blocks=BLOCKS), strength)
+    else:
+        patched, _ = comfy.sd.load_lora_for_models(model, None, build_lora(fmt, blocks=BLOCKS), strength, 0)
+    assert patched.patches, fmt
+    return patched
+
+
+@pytest.mark.parametrize("fmt,qtype", [("kohya", "Q8_0"), ("peft", "Q4_K"), ("diffusers", "Q5_0"), ("mixed", "Q4_0")])
+def test_lora_on_gguf_folds_once_per_landing_and_equals_comfyui_gguf(gguf_dir, fmt, qtype):
+    """A LoRA (stock loader) on a GGUF MODEL under RingSwap Patch: each landed block's GGUF
+    weights are dequantized and patched once (a dense weight bound in their place); outputs
+    equal ComfyUI-GGUF's own LoRA run (its math per forward) at windows 1, 2 and all, two
+    runs each. `mixed` also patches weights outside the blocks (hung on them as the pack does)
+    and F32 norms in place. The same model without the LoRA afterwards is the plain output."""
+    name = f"wan_{qtype}_F32.gguf"
+    plain = forward(load_gguf(name), *inputs(seed=0))
+    want = forward(lora_on(load_gguf(name), fmt), *inputs(seed=0))
     comfy.model_management.unload_all_models()
+    assert not torch.equal(want, plain), "the LoRA changes the output"
+    base = load_gguf(name)
+    for window, prefetch in ((1, 0), (2, 1), (BLOCKS, 1)):
+        (model,) = RingSwapPatch().patch(lora_on(base, fmt), window, prefetch, "auto")
+        folder = model.lora_folder(model.load_device)
+        assert folder is not None and any(folder.extra_bytes(b) for b in range(BLOCKS)), "dense folds planned"
+        for _ in range(2):
+            got = forward(model, *inputs(seed=0))
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{fmt} {qtype} window {window}")
+        comfy.model_management.unload_all_models()
+    (model,) = RingSwapPatch().patch(base, 2, 1, "auto")
+    assert torch.equal(forward(model, *inputs(seed=0)), plain), "nothing of the LoRA stays behind"
+    comfy.model_management.unload_all_models()
+
+
+def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir):
+    """Strength 1 then 0.5 on the same loaded GGUF model: each equals ComfyUI-GGUF's own run
+    at that strength, with no read of the file in between."""
+    name = "wan_Q8_0_F32.gguf"
+    base = load_gguf(name)
+    for strength in (1.0, 0.5):
+        want = forward(lora_on(load_gguf(name), "kohya", strength), *inputs(seed=0))
+        comfy.model_management.unload_all_models()
+        (model,) = RingSwapPatch().patch(lora_on(base, "kohya", strength), 2, 1, "auto")
+        assert torch.equal(forward(model, *inputs(seed=0)), want), strength
+        comfy.model_management.unload_all_models()
 
 
 @pytest.mark.server
 def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_server):
-    """As a user would: Unet Loader (GGUF) -> KSampler vs Unet Loader (GGUF) -> RingSwap Patch
-    (windows 1 and 2) -> KSampler on a server that loaded the real ComfyUI-GGUF pack: the same
-    latent bit for bit, two runs each."""
+    """As a user would: Unet Loader (GGUF) [-> LoraLoaderModelOnly] -> KSampler vs the same
+    -> RingSwap Patch (windows 1 and 2) -> KSampler on a server that loaded the real
+    ComfyUI-GGUF pack: the same latent bit for bit, two runs each, without and with a LoRA."""
     from safetensors.torch import load_file
+    from support.lora_files import build_lora, write_lora
     from support.workflows import build_workflow
     d = os.path.join(shared_models, "diffusion_models")
     os.makedirs(d, exist_ok=True)
-    name = "tiny_wan_http_Q8_0.gguf"
+    name, lora = "tiny_wan_http_Q8_0.gguf", "gguf_http_kohya.safetensors"
     write_wan_gguf(tiny_wan(str(shared_models), blocks=BLOCKS, dtype=torch.float32, seed=3), os.path.join(d, name))
+    write_lora(os.path.join(shared_models, "loras", lora), build_lora("kohya", blocks=BLOCKS, seed=4))
     assert "UnetLoaderGGUF" in shared_server.object_info(), "the server did not load ComfyUI-GGUF"
 
-    def latent(use_patch, window=2, prefix="gguf_stock"):
+    def latent(use_patch, window=2, prefix="gguf_stock", with_lora=False):
         wf = build_workflow(name, use_patch=use_patch, window=window, seed=5, steps=2, filename_prefix=prefix)
         wf["1"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": name}}
+        if with_lora:
+            wf["9"] = {"class_type": "LoraLoaderModelOnly",
+                       "inputs": {"model": ["1", 0], "lora_name": lora, "strength_model": 0.8}}
+            (wf["2"] if use_patch else wf["6"])["inputs"]["model"] = ["9", 0]
         entry = shared_server.run(wf, timeout=300)
         (path,) = [p for p in shared_server.output_files(entry, "latents") if os.path.isfile(p)]
         return load_file(path)["latent_tensor"]
-    want = latent(False)
-    for window in (1, 2):
-        for run in range(2):
-            assert torch.equal(latent(True, window, f"gguf_w{window}_{run}"), want), (window, run)
-
+    for with_lora in (False, True):
+        want = latent(False, prefix=f"gguf_stock_{with_lora}", with_lora=with_lora)
+        for window in (1, 2):
+            for run in range(2):
+                got = latent(True, window, f"gguf_w{window}_{run}_{with_lora}", with_lora)
+                assert torch.equal(got, want), (with_lora, window, run)
+    assert not torch.equal(latent(False, prefix="gguf_stock_again"), want), "the LoRA changes the latent"
