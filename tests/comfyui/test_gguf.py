@@ -10,8 +10,10 @@ import comfy.model_management
 import folder_paths
 
 from conftest import COMFY
+from ringswap.loaders.comfyui_adapter import run_plan
 from ringswap.nodes.patch import RingSwapPatch
 from support.gguf_files import QTYPES, comfyui_gguf_pack, write_wan_gguf
+from support.lora_files import LINEARS, linear_shape
 from wan_model import forward, inputs, tiny_wan
 
 PACK = comfyui_gguf_pack(COMFY)
@@ -114,6 +116,10 @@ def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir):
         comfy.model_management.unload_all_models()
         (model,) = RingSwapPatch().patch(lora_on(base, "kohya", strength), 2, 1, "auto")
         assert torch.equal(forward(model, *inputs(seed=0)), want), strength
+        planned = run_plan.plan_inputs(model, torch.device("cpu"), 10**12, None)
+        dense = sum(o * i for o, i in (linear_shape(n, 128, 256) for n in LINEARS)) * 4   # float32 here
+        assert [p - s.layout.nbytes for p, s in zip(planned.block_sizes, model.swap_engine.states)] == [dense] * BLOCKS
+        assert planned.nonblock_bytes > model.swap_state.nonblock_bytes, "the fold's workspace is planned"
         comfy.model_management.unload_all_models()
 
 
@@ -149,3 +155,29 @@ def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_serve
                 got = latent(True, window, f"gguf_w{window}_{run}_{with_lora}", with_lora)
                 assert torch.equal(got, want), (with_lora, window, run)
     assert not torch.equal(latent(False, prefix="gguf_stock_again"), want), "the LoRA changes the latent"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_gguf_on_cuda_bit_exact_and_lora_close(gguf_dir, qtype):
+    """On CUDA: RingSwap Patch on a GGUF MODEL at windows 1-2, prefetch 1-2, equals
+    ComfyUI-GGUF's own run bit for bit; with a LoRA (fused addmm_ per landing) it differs from
+    the pack's per-forward math by far less than the LoRA's own effect."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    name = f"wan_{qtype}_F32.gguf"
+    x = inputs(seed=0)
+    plain = forward(load_gguf(name), *x)
+    want = forward(lora_on(load_gguf(name), "kohya"), *x)
+    comfy.model_management.unload_all_models()
+    base = load_gguf(name)
+    for window, prefetch in ((1, 1), (2, 2)):
+        (model,) = RingSwapPatch().patch(base, window, prefetch, "auto")
+        for _ in range(2):
+            assert torch.equal(forward(model, *x), plain), (qtype, window, prefetch)
+        comfy.model_management.unload_all_models()
+        (model,) = RingSwapPatch().patch(lora_on(base, "kohya"), window, prefetch, "auto")
+        for _ in range(2):
+            got = forward(model, *x)
+            assert (got - want).float().norm() <= 0.02 * (want - plain).float().norm(), (qtype, window, prefetch)
+        comfy.model_management.unload_all_models()

@@ -83,6 +83,41 @@ def test_on_land_runs_once_per_landing_before_the_block_computes(home):
             p.remove()
 
 
+@pytest.mark.parametrize("home", ["ram", "disk"])
+def test_on_land_replacements_are_bound_instead_and_dropped_at_refill(home):
+    """on_land may hand back another tensor for an attribute (a packed weight's dense form):
+    the block computes from it, its own landed bytes stay unchanged, and a streamed block's
+    replacement lives only while its slot holds that block (released when the slot is refilled)."""
+    blocks, doubled = make_blocks(), make_blocks()
+    for b in doubled:
+        b.lin.weight.data.mul_(2)
+    want = run(doubled, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
+    k = next(i for i, a in enumerate(engine.states[0].layout.attrs) if (a.path, a.name) == ("lin", "weight"))
+    entry = engine.states[0].layout.attrs[k].entries[0]
+    made: list = []
+
+    def on_land(block, tensors):
+        dense = tensors[entry] * 2
+        made.append(torch.utils.weak.WeakTensorKeyDictionary())   # a weak view on each replacement
+        made[-1][dense] = block
+        return {k: dense}
+
+    for window, prefetch in ((1, 0), (2, 1), (N, 1)):
+        made.clear()
+        plan = engine.attach("cpu", ResidencyPlan.make(N, window, prefetch), on_land=on_land)
+        for _ in range(2):
+            assert torch.equal(run(blocks, X), want), (home, window, prefetch)
+        live = sum(len(m) for m in made)
+        assert live <= len(plan.resident) + plan.ring_slots, (live, window, prefetch)
+        engine.end_run()
+        engine.detach()
+        assert sum(len(m) for m in made) == 0, "replacements go with the attachment"
+    if home == "ram":
+        assert torch.equal(run(blocks, X), run(make_blocks(), X)), "the homes were never written"
+
+
 @pytest.mark.parametrize("home", ["module", "ram", "auto"])
 def test_reattach_keeps_the_resident_blocks_both_plans_share(home):
     """A mid-run re-plan (reshaped: nearest the attached plan) keeps on the device the
