@@ -65,6 +65,40 @@ def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype, other):
         comfy.model_management.unload_all_models()
 
 
+@pytest.mark.parametrize("family,arch", [("wan_vace", "wan"), ("flux", "flux")])
+def test_gguf_vace_and_flux_patched_equal_comfyui_gguf(tmp_path, family, arch):
+    """Wan VACE (vace blocks interleaved, learned order) and Flux (double and single blocks)
+    GGUF files through Unet Loader (GGUF): RingSwap Patch at windows 1, 2 and all equals the
+    pack's own run bit for bit, two calls on different inputs each."""
+    from support import family_files as ffs
+    from support import family_models as fm
+    ff = ffs.BY_NAME[family]
+    if ff.family.missing():
+        pytest.skip(ff.family.missing())
+    src = ffs.write(ff, str(tmp_path / f"tiny_{family}.safetensors"))
+    if ffs.unsupported(ff, src):
+        pytest.skip(f"{family}: {ffs.unsupported(ff, src)}")
+    name = f"gguf_{family}.gguf"
+    write_wan_gguf(src, str(tmp_path / name), "Q8_0", "F32", arch=arch)
+    folder_paths.add_model_folder_path("diffusion_models", str(tmp_path))
+    try:
+        stock = load_gguf(name)
+        assert type(stock.model.diffusion_model).__name__ == ff.family.dm_class
+        xs = [ff.family.inputs(seed=s) for s in (1, 2)]
+        want = [fm.forward(stock, *x) for x in xs]
+        comfy.model_management.unload_all_models()
+        n = stock.model.diffusion_model
+        blocks = sum(len(getattr(n, lst)) for lst in ff.family.lists)
+        for window, prefetch in ((1, 0), (2, 1), (blocks, 1)):
+            (model,) = RingSwapPatch().patch(load_gguf(name), window, prefetch, "auto")
+            assert model.swap_engine.num_blocks == blocks
+            for x, w in zip(xs, want):
+                assert torch.equal(fm.forward(model, *x), w), (family, window, prefetch)
+            comfy.model_management.unload_all_models()
+    finally:
+        folder_paths.folder_names_and_paths["diffusion_models"][0].remove(str(tmp_path))
+
+
 def lora_on(model, fmt, strength=1.0):
     """What the stock LoraLoaderModelOnly does: comfy.sd.load_lora_for_models(model, None, ...).
     `diffusers` (Wan's diffusers names, which ComfyUI's key map does not know): RingSwap's

@@ -30,13 +30,18 @@ def random_q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 144)
 
 
-def write_wan_gguf(safetensors_path: str, path: str, qtype: str = "Q8_0", other: str = "F32") -> str:
-    """`path` (.gguf) holding the Wan model of `safetensors_path`, block linears in `qtype`."""
+BLOCK_LISTS = ("blocks.", "vace_blocks.", "double_blocks.", "single_blocks.")
+
+
+def write_wan_gguf(safetensors_path: str, path: str, qtype: str = "Q8_0", other: str = "F32",
+                   arch: str = "wan") -> str:
+    """`path` (.gguf) holding the model of `safetensors_path` (Wan unless `arch` says another
+    of ComfyUI-GGUF's architectures, e.g. "flux"), block linears in `qtype`."""
     q = QTYPES[qtype]
-    w = gguf.GGUFWriter(path, "wan")
+    w = gguf.GGUFWriter(path, arch)
     for n, (key, t) in enumerate(load_file(safetensors_path).items()):
         a = t.float().numpy()
-        linear = key.startswith("blocks.") and key.endswith(".weight") and t.ndim == 2
+        linear = key.startswith(BLOCK_LISTS) and key.endswith(".weight") and t.ndim == 2
         if linear and q == gguf.GGMLQuantizationType.Q4_K and t.shape[1] % 256 == 0:
             data = random_q4_k(*t.shape, seed=n)
             w.add_tensor(key, data, raw_shape=data.shape, raw_dtype=q)
