@@ -36,9 +36,19 @@ MARKER = {"1": {"class_type": "RingSwapDemoConditioning", "inputs": {"seed": 0, 
           "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}}
 
 
+GGUFS = tuple(u.replace(".safetensors", ".gguf") for u in UNETS)
+HAS_GGUF = os.path.isfile(os.path.join(COMFY, "custom_nodes", "ComfyUI-GGUF", "nodes.py"))
+
+
 def run_workflow(unet: str, loader: str, seed: int) -> dict:
     """KSampler (2 steps, 64x64x5) on `unet` from UNETLoader (`loader` "stock") or from a
-    RingSwap Model Loader with home=`loader`, window 1, prefetch 1."""
+    RingSwap Model Loader with home=`loader`, window 1, prefetch 1; "gguf": Unet Loader
+    (GGUF) alone, "gguf-patch": the same -> RingSwap Patch (window 1)."""
+    if loader.startswith("gguf"):
+        wf = build_workflow(unet, use_patch=loader == "gguf-patch", window=1, seed=seed, steps=2,
+                            filename_prefix=f"flat_{loader}")
+        wf["1"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": unet}}
+        return wf
     wf = build_workflow(unet, use_patch=False, seed=seed, steps=2, filename_prefix=f"flat_{loader}")
     if loader != "stock":
         wf["1"] = {"class_type": "RingSwapModelLoader",
@@ -62,8 +72,9 @@ def settled_rss(srv: ComfyServer) -> int:
 def rss_series(srv: ComfyServer, loader: str, runs: int = RUNS) -> list[int]:
     """RSS after each of `runs` runs, the two files used alternately."""
     series = []
+    files = GGUFS if loader.startswith("gguf") else UNETS
     for i in range(runs):
-        srv.run(run_workflow(UNETS[i % 2], loader, seed=i), timeout=300)
+        srv.run(run_workflow(files[i % 2], loader, seed=i), timeout=300)
         series.append(settled_rss(srv))
     return series
 
@@ -88,9 +99,12 @@ def _growth_mib(g: dict[str, int]) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     models = tmp_path_factory.mktemp("flat_models")
-    for seed, unet in enumerate(UNETS):
-        write_tiny_wan(os.path.join(models, "diffusion_models", unet), dim=DIM, num_layers=BLOCKS,
-                       ffn_dim=FFN, dtype=torch.bfloat16, seed=seed)
+    for seed, (unet, gguf) in enumerate(zip(UNETS, GGUFS)):
+        path = os.path.join(models, "diffusion_models", unet)
+        write_tiny_wan(path, dim=DIM, num_layers=BLOCKS, ffn_dim=FFN, dtype=torch.bfloat16, seed=seed)
+        if HAS_GGUF:
+            from support.gguf_files import write_wan_gguf
+            write_wan_gguf(path, os.path.join(models, "diffusion_models", gguf), "Q8_0")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}   # tiny model; 2 threads thrash on a busy box
     with ComfyServer(COMFY, str(models), cpu=not CUDA, extra_args=SERVER_ARGS, env=env) as srv:
         yield srv
@@ -117,6 +131,24 @@ def test_rss_stays_flat_like_stock(server, stock, home):
     stock_growth = max(0, min(theirs.values()))
     bad = [k for k in ours if ours[k] > stock_growth + allowed]
     assert not bad, f"RSS keeps growing run after run ({', '.join(bad)}): " + detail
+
+
+@pytest.mark.server
+@pytest.mark.skipif(not HAS_GGUF, reason="ComfyUI-GGUF not linked into this ComfyUI (make test does it)")
+def test_gguf_rss_stays_flat_like_comfyui_gguf(server):
+    """Unet Loader (GGUF) -> RingSwap Patch, 16 runs on two GGUF files alternately: RSS grows
+    no more than Unet Loader (GGUF) alone on the same server."""
+    theirs_series = rss_series(server, "gguf")
+    series = rss_series(server, "gguf-patch")
+    allowed = max(TOLERANCE_MIN, TOLERANCE_FRACTION * theirs_series[7])
+    ours, theirs = growth(series), growth(theirs_series)
+    detail = (f"GGUF -> RingSwap Patch: RSS after each run (MiB): {_mib(series)}; growth {_growth_mib(ours)}; "
+              f"ComfyUI-GGUF alone: {_mib(theirs_series)}, growth {_growth_mib(theirs)}; allowed "
+              f"{allowed / MiB:.1f} MiB beyond its growth")
+    print(detail)
+    bad = [k for k in ours if ours[k] > max(0, min(theirs.values())) + allowed]
+    # a growing server raises its floor and its ceiling (growth); one spike in runs 9-16 only the ceiling
+    assert len(bad) < len(ours), f"RSS keeps growing run after run ({', '.join(bad)}): " + detail
 
 
 def test_mapped_allocations_maps_only_large_cpu_empties():
