@@ -24,6 +24,7 @@ from ..model_file.block_reader import BlockReader, file_identity
 from ..model_file.block_source import BlockSource
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_features as features
+from . import gguf_file, gguf_tensors
 from .block_lists import ALL_NAMES, find_block_lists
 from .skeleton import build_skeleton
 from .swap_patcher import SwapModelPatcher, SwapSettings
@@ -77,24 +78,38 @@ def own_model_for(model: comfy.model_patcher.ModelPatcher,
 def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
                       progress: Callable[[int, int], None] | None = None,
                       model_options: dict | None = None) -> comfy.model_patcher.ModelPatcher:
-    """The plain ModelPatcher of the file, with its swap engine installed; wrap it with
-    SwapModelPatcher.wrap for each set of swap settings (no re-read)."""
-    index = SafetensorsIndex.open(path)
-    with mapped_allocations():
-        skeleton = build_skeleton(index, ALL_NAMES, model_options)
-    dm = skeleton.model.diffusion_model
+    """The ModelPatcher of the file (plain, or ComfyUI-GGUF's for a .gguf), with its swap
+    engine installed; wrap it with SwapModelPatcher.wrap for each set of swap settings (no re-read)."""
+    if gguf_file.is_gguf(path):
+        patcher, prefix = gguf_file.load_gguf_model(path), ""
+        gguf_tensors.register_for(patcher.model.diffusion_model)
+
+        def make_source(reader, blocks, keys):
+            return gguf_file.block_source(path, reader, blocks, keys, home)
+    else:
+        index = SafetensorsIndex.open(path)
+        with mapped_allocations():
+            skeleton = build_skeleton(index, ALL_NAMES, model_options)
+        patcher = comfy.model_patcher.ModelPatcher(skeleton.model, load_device=skeleton.load_device,
+                                                   offload_device=skeleton.offload_device)
+        prefix = skeleton.prefix
+
+        def make_source(reader, blocks, keys):
+            return BlockSource(index, reader, blocks, keys)
+    dm = patcher.model.diffusion_model
     lists = find_block_lists(dm, path)
     blocks = [b for _, bl in lists for b in bl]
-    keys = [f"{skeleton.prefix}{name}.{j}." for name, bl in lists for j in range(len(bl))]
+    keys = [f"{prefix}{name}.{j}." for name, bl in lists for j in range(len(bl))]
     reader = BlockReader(path, workers=disk_workers)
     engine = None
     try:
-        source = BlockSource(index, reader, blocks, keys)
-        engine = BlockSwapEngine(blocks, read_block=source.read, home=home, disk_workers=disk_workers)
-        weakref.finalize(dm, source.close)
+        source = make_source(reader, blocks, keys)
+        if source is None:   # homes copied from the model's own tensors at the first attach
+            reader.close()
+        engine = BlockSwapEngine(blocks, read_block=source.read if source else None, home=home,
+                                 disk_workers=disk_workers)
+        weakref.finalize(dm, source.close if source else reader.close)
         SwapState.install(dm, engine)
-        patcher = comfy.model_patcher.ModelPatcher(skeleton.model, load_device=skeleton.load_device,
-                                                   offload_device=skeleton.offload_device)
         if home == "ram":
             t0 = time.perf_counter()
             nbytes = engine.fill_home(progress)

@@ -99,6 +99,64 @@ def test_gguf_vace_and_flux_patched_equal_comfyui_gguf(tmp_path, family, arch):
         folder_paths.folder_names_and_paths["diffusion_models"][0].remove(str(tmp_path))
 
 
+@pytest.mark.parametrize("home", ["ram", "disk", "auto"])
+def test_model_loader_reads_gguf_files(gguf_dir, home):
+    """RingSwap Model Loader on a .gguf (built by ComfyUI-GGUF's loader code, blocks read from the
+    file with positioned reads): equal to Unet Loader (GGUF) bit for bit at windows 1, 2 and
+    all, two runs each, homes ram, disk and auto; with a LoRA equal to the pack's LoRA run."""
+    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
+    name = "wan_Q4_K_F32.gguf"
+    path = os.path.join(gguf_dir, name)
+    want = forward(load_gguf(name), *inputs(seed=0))
+    want_lora = forward(lora_on(load_gguf(name), "kohya"), *inputs(seed=0))
+    comfy.model_management.unload_all_models()
+    for window, prefetch in ((1, 0), (2, 1), (BLOCKS, 1)):
+        model = load_swapped_model(path, SwapSettings(window, prefetch), home=home, disk_workers=2)
+        assert model.swap_engine.read_block is not None and model.swap_engine.home == home
+        qkv = next(a for a in model.swap_engine.states[0].layout.attrs if (a.path, a.name) == ("self_attn.q", "weight"))
+        assert qkv.codec is not None, "the block weights stay GGUF bytes"
+        for _ in range(2):
+            assert torch.equal(forward(model, *inputs(seed=0)), want), (home, window, prefetch)
+        comfy.model_management.unload_all_models()
+        assert torch.equal(forward(lora_on(model, "kohya"), *inputs(seed=0)), want_lora), (home, window)
+        comfy.model_management.unload_all_models()
+
+
+def test_model_loader_gguf_errors_name_the_file(gguf_dir, tmp_path):
+    """A .gguf whose block tensor ComfyUI-GGUF converts at load (so the file's bytes are not the
+    block's) with home=disk, and a .gguf without ComfyUI-GGUF installed: clear errors."""
+    import nodes
+    from ringswap.loaders.comfyui_adapter import gguf_file
+    path = os.path.join(gguf_dir, "wan_Q8_0_F32.gguf")
+    saved = nodes.NODE_CLASS_MAPPINGS.pop(gguf_file.PACK_NODE)
+    try:
+        with pytest.raises(ValueError, match="ComfyUI-GGUF") as ei:
+            gguf_file.pack_nodes(path)
+        assert path in str(ei.value) and "not installed" in str(ei.value)
+    finally:
+        nodes.NODE_CLASS_MAPPINGS[gguf_file.PACK_NODE] = saved
+    assert "wan_Q8_0_F32.gguf" in gguf_file.gguf_names()
+    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
+    src = tiny_wan(str(tmp_path), blocks=2, dtype=torch.float32)
+    converted = write_wan_gguf(src, str(tmp_path / "bf16_norms.gguf"), "Q8_0", bf16_1d=True)
+    for home in ("disk", "auto"):
+        with pytest.raises(ValueError, match="converted at load") as ei:
+            load_swapped_model(converted, SwapSettings(1), home=home)
+        assert converted in str(ei.value) and "blocks.0." in str(ei.value) and "home=ram" in str(ei.value)
+    folder_paths.add_model_folder_path("diffusion_models", str(tmp_path))
+    try:   # home=ram copies those blocks from the pack's model once: equal to its own run
+        want = forward(load_gguf("bf16_norms.gguf"), *inputs(seed=0))
+        comfy.model_management.unload_all_models()
+        model = load_swapped_model(converted, SwapSettings(1), home="ram")
+        assert model.swap_engine.read_block is None
+        assert torch.equal(forward(model, *inputs(seed=0)), want)
+        comfy.model_management.unload_all_models()
+    finally:
+        folder_paths.folder_names_and_paths["diffusion_models"][0].remove(str(tmp_path))
+
+
 def lora_on(model, fmt, strength=1.0):
     """What the stock LoraLoaderModelOnly does: comfy.sd.load_lora_for_models(model, None, ...).
     `diffusers` (Wan's diffusers names, which ComfyUI's key map does not know): RingSwap's
@@ -160,8 +218,9 @@ def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir):
 @pytest.mark.server
 def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_server):
     """As a user would: Unet Loader (GGUF) [-> LoraLoaderModelOnly] -> KSampler vs the same
-    -> RingSwap Patch (windows 1 and 2) -> KSampler on a server that loaded the real
-    ComfyUI-GGUF pack: the same latent bit for bit, two runs each, without and with a LoRA."""
+    -> RingSwap Patch (windows 1 and 2) -> KSampler, and vs RingSwap Model Loader on the .gguf
+    (homes ram and disk) [-> LoraLoaderModelOnly] -> KSampler, on a server that loaded the real
+    ComfyUI-GGUF pack: the same latent bit for bit, without and with a LoRA."""
     from safetensors.torch import load_file
     from support.lora_files import build_lora, write_lora
     from support.workflows import build_workflow
@@ -172,9 +231,13 @@ def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_serve
     write_lora(os.path.join(shared_models, "loras", lora), build_lora("kohya", blocks=BLOCKS, seed=4))
     assert "UnetLoaderGGUF" in shared_server.object_info(), "the server did not load ComfyUI-GGUF"
 
-    def latent(use_patch, window=2, prefix="gguf_stock", with_lora=False):
+    def latent(use_patch, window=2, prefix="gguf_stock", with_lora=False, home=None):
         wf = build_workflow(name, use_patch=use_patch, window=window, seed=5, steps=2, filename_prefix=prefix)
         wf["1"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": name}}
+        if home is not None:   # RingSwap Model Loader on the .gguf instead
+            wf["1"] = {"class_type": "RingSwapModelLoader",
+                       "inputs": {"unet_name": name, "window": window, "prefetch": 1, "home": home,
+                                  "pin_memory": "auto", "disk_workers": 2}}
         if with_lora:
             wf["9"] = {"class_type": "LoraLoaderModelOnly",
                        "inputs": {"model": ["1", 0], "lora_name": lora, "strength_model": 0.8}}
@@ -188,6 +251,9 @@ def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_serve
             for run in range(2):
                 got = latent(True, window, f"gguf_w{window}_{run}_{with_lora}", with_lora)
                 assert torch.equal(got, want), (with_lora, window, run)
+        for home in ("ram", "disk"):
+            got = latent(False, 1, f"gguf_loader_{home}_{with_lora}", with_lora, home=home)
+            assert torch.equal(got, want), ("Model Loader", home, with_lora)
     assert not torch.equal(latent(False, prefix="gguf_stock_again"), want), "the LoRA changes the latent"
 
 

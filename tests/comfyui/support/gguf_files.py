@@ -34,13 +34,18 @@ BLOCK_LISTS = ("blocks.", "vace_blocks.", "double_blocks.", "single_blocks.")
 
 
 def write_wan_gguf(safetensors_path: str, path: str, qtype: str = "Q8_0", other: str = "F32",
-                   arch: str = "wan") -> str:
+                   arch: str = "wan", bf16_1d: bool = False) -> str:
     """`path` (.gguf) holding the model of `safetensors_path` (Wan unless `arch` says another
-    of ComfyUI-GGUF's architectures, e.g. "flux"), block linears in `qtype`."""
+    of ComfyUI-GGUF's architectures, e.g. "flux"), block linears in `qtype`; `bf16_1d`: the
+    blocks' 1-D tensors in BF16 (which ComfyUI-GGUF converts to F32 when it loads them)."""
     q = QTYPES[qtype]
     w = gguf.GGUFWriter(path, arch)
     for n, (key, t) in enumerate(load_file(safetensors_path).items()):
         a = t.float().numpy()
+        if bf16_1d and t.ndim == 1 and key.startswith(BLOCK_LISTS):
+            data = gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16)
+            w.add_tensor(key, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            continue
         linear = key.startswith(BLOCK_LISTS) and key.endswith(".weight") and t.ndim == 2
         if linear and q == gguf.GGMLQuantizationType.Q4_K and t.shape[1] % 256 == 0:
             data = random_q4_k(*t.shape, seed=n)
@@ -64,7 +69,8 @@ def write_wan_gguf(safetensors_path: str, path: str, qtype: str = "Q8_0", other:
 
 def comfyui_gguf_pack(comfy_dir: str):
     """ComfyUI-GGUF's package as linked into `comfy_dir`/custom_nodes by `make test`, imported
-    once under the name ComfyUI would give it; None where it is not installed."""
+    once under the name ComfyUI would give it and its nodes registered as ComfyUI registers a
+    pack's; None where it is not installed."""
     root = os.path.join(comfy_dir, "custom_nodes", "ComfyUI-GGUF")
     if not os.path.isfile(os.path.join(root, "nodes.py")):
         return None
@@ -75,4 +81,6 @@ def comfyui_gguf_pack(comfy_dir: str):
         pack = importlib.util.module_from_spec(spec)
         sys.modules[name] = pack
         spec.loader.exec_module(pack)
+        import nodes   # what ComfyUI's custom node loading does with a pack's nodes
+        nodes.NODE_CLASS_MAPPINGS.update(pack.NODE_CLASS_MAPPINGS)
     return sys.modules[name]
