@@ -51,7 +51,7 @@ GROUPS = {
 # the steps; the most measured on 2026-12-01), replaced by the measured wall time of a cell
 # of the same kind in the run.
 EST_S = {"floor": 62, "comfy": 70, "diffusers": 85, "patch": 75, "loader": 75, "auto": 90, "disk": 240}
-FORMAT_SCALE = {"bf16": 1.0, "scaled_fp8": 0.7, "fp32": 2.0}
+FORMAT_SCALE = {"bf16": 1.0, "scaled_fp8": 0.7, "fp32": 2.0, "gguf_q8_0": 0.8, "gguf_q4_k": 0.7}
 
 
 def config_at(arg: str) -> tuple[str, float | None]:
@@ -195,7 +195,7 @@ def merge(a) -> None:
 
 def main() -> None:
     ap = common.base_parser(__doc__, tuple(CONFIGS))
-    ap.add_argument("--formats", nargs="+", default=None, choices=["bf16", "scaled_fp8", "fp32"],
+    ap.add_argument("--formats", nargs="+", default=None, choices=["bf16", "scaled_fp8", "fp32", "gguf_q8_0", "gguf_q4_k"],
                     help="default bf16 (--small: fp32, since 0.33's dynamic VRAM on a CPU runs bf16 weights uncast)")
     ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     ap.add_argument("--configs", nargs="+", metavar="NAME[@CAP]",
@@ -259,6 +259,7 @@ def main() -> None:
         for c in cells:
             print(f"{c['format']:>10} {c['config']:>20} cap {c['cap_gib']:>4g}: ~{estimate(c, measured, a):.0f} s")
         return
+    from gguf_model import is_gguf_format, wan14b_gguf
     from model_file import wan14b_file
     paths = {}
     for cell in cells:
@@ -266,7 +267,8 @@ def main() -> None:
         left = deadline - time.perf_counter()
         est = estimate(cell, measured, a)
         if fmt not in paths and left > est:
-            paths[fmt] = wan14b_file(a.dir, fmt, a.small, a.device, layers_small=4)
+            paths[fmt] = wan14b_gguf(a.dir, fmt, a.small, layers_small=4) if is_gguf_format(fmt) \
+                else wan14b_file(a.dir, fmt, a.small, a.device, layers_small=4)
             left = deadline - time.perf_counter()
         if est > left or fmt not in paths:
             cell["skipped"] = f"not run (budget): ~{est:.0f} s > {max(0.0, left):.0f} s left"

@@ -106,6 +106,12 @@ def build(cfg: Config, a, dev: torch.device):
     --lora-rank, the sampled MODELs carry the LoRA, with --compile they are compiled (the
     direct ones run without either)."""
     import comfy.sd
+    gguf = a.path.endswith(".gguf")   # ComfyUI-GGUF's Unet Loader (GGUF) stands in for Load Diffusion Model
+    if gguf:
+        from gguf_model import load_pack, load_stock_gguf
+        load_pack()
+        if cfg.kind in ("floor", "diffusers"):
+            raise SystemExit(f"{cfg.kind} does not read .gguf files")
     if cfg.kind in ("loader", "disk", "auto"):
         from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
         from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
@@ -116,7 +122,7 @@ def build(cfg: Config, a, dev: torch.device):
         models = [as_sampled(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home,
                                                 disk_workers=a.workers), a) for _ in range(a.experts)]
         return (models, "experts", models[0]) if a.experts > 1 else (models[0], "sample", models[0])
-    stock = comfy.sd.load_diffusion_model(a.path)
+    stock = load_stock_gguf(a.path) if gguf else comfy.sd.load_diffusion_model(a.path)
     if cfg.kind == "comfy":
         stock = as_sampled(stock, a)
         return stock, "sample", stock

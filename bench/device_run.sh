@@ -122,6 +122,12 @@ for p in "$@"; do
     experts-fp8-32) compare experts_fp8_32 240 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
                       --rams 32 --experts 2 ;;
     ram-file) compare ram_file 240 --tokens 7800 --configs rs-auto-0.3.75@12 --rams 20 ;;
+    gguf-8) compare gguf_8 560 --formats gguf_q4_k --tokens 7800 --configs comfy-0.3.75@0 comfy-0.3.75@8 \
+              rs-patch-0.3.75@8 comfy-0.33-dyn@8 rs-patch-0.33-dyn@8 rs-loader-0.3.75@8 ;;
+    gguf-8-lora) compare gguf_8_lora 560 --formats gguf_q4_k --tokens 7800 --lora-rank 64 --configs \
+                   comfy-0.3.75@0 comfy-0.3.75@8 rs-patch-0.3.75@8 comfy-0.33-dyn@8 rs-patch-0.33-dyn@8 ;;
+    gguf-12h) compare gguf_12h 560 --formats gguf_q8_0 --tokens 7800 --cfgs 1 5 --links halved --configs \
+                comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 ;;
     read-probe) part read_probe 120 0.3.75 0 python3 bench/read_probe.py --gb 3 --workers 1 4 8 --json "$OUT/read_probe.json" ;;
     cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
                   --configs comfy-0.3.75@0 rs-patch-0.3.75 ;;
