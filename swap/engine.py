@@ -22,7 +22,7 @@ from .plan import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .slot_ring import Slot, SlotRing
 from .sources import FileSource, RamSource
-from .state import Attachment, BlockState
+from .state import Attachment, BlockState, OnLand
 from .stats import RunStats
 
 log = logging.getLogger("ringswap.engine")
@@ -121,7 +121,7 @@ class BlockSwapEngine:
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, plan: ResidencyPlan,
                pin_memory: str = "auto", owner: object = None,
-               on_land: Callable[[int, list[torch.Tensor]], dict[int, torch.Tensor] | None] | None = None,
+               on_land: OnLand | None = None,
                ram_blocks: Iterable[int] | None = None,
                progress: Callable[[int, int], None] | None = None) -> ResidencyPlan:
         """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
@@ -170,11 +170,8 @@ class BlockSwapEngine:
             for i in att.upcoming()[:plan.ring_slots]:
                 self._issue(i, att.ring.victim([]))
             att.copier.take_times()   # resident placement is loading, not a run's copies
-            if on_land is not None:
-                for i in placing:
-                    replaced = on_land(i, self.states[i].binding.current())
-                    if replaced:
-                        self.states[i].binding.bind_some(replaced)
+            for i in placing if on_land is not None else ():
+                self.states[i].binding.bind_some(on_land(i, self.states[i].binding.current()) or {})
             att.stats = att.new_stats()
         except BaseException:
             if pinning is not None:

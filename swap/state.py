@@ -23,6 +23,9 @@ from .stats import RunStats
 from .transfer import CopyStream
 
 
+OnLand = Callable[[int, list[torch.Tensor]], "dict[int, torch.Tensor] | None"]   # see BlockSwapEngine.attach
+
+
 class BlockState:
     """One block: its layout, the attributes to rebind, and where its weights are."""
 
