@@ -91,25 +91,16 @@ def wan14b_gguf(directory: str, fmt: str, small: bool, layers_small: int = 2) ->
 
 def load_pack():
     """ComfyUI-GGUF's package from ComfyUI's custom_nodes (linked there by device_setup.sh
-    when `.comfyui-gguf` is carried, and by make test here), its nodes registered as
-    ComfyUI registers a pack's; SystemExit naming what to carry where it is missing."""
-    import importlib.util
-    import sys
-
+    when `.comfyui-gguf` is carried, and by make test here), its nodes registered as ComfyUI
+    registers a pack's; SystemExit naming what to carry where it is missing."""
     import folder_paths
-    import nodes
-    root = os.path.join(os.path.dirname(folder_paths.__file__), "custom_nodes", "ComfyUI-GGUF")
-    if not os.path.isfile(os.path.join(root, "nodes.py")):
-        raise SystemExit(f"gguf formats need ComfyUI-GGUF in {root} (carry .comfyui-gguf; bench/DEVICE.md)")
-    name = "ComfyUI-GGUF"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(root, "__init__.py"),
-                                                      submodule_search_locations=[root])
-        pack = importlib.util.module_from_spec(spec)
-        sys.modules[name] = pack
-        spec.loader.exec_module(pack)
-        nodes.NODE_CLASS_MAPPINGS.update(pack.NODE_CLASS_MAPPINGS)
-    return sys.modules[name]
+    from gguf_files import comfyui_gguf_pack   # tests/comfyui/support, on sys.path (common)
+    comfy_dir = os.path.dirname(folder_paths.__file__)
+    pack = comfyui_gguf_pack(comfy_dir)
+    if pack is None:
+        raise SystemExit(f"gguf formats need ComfyUI-GGUF in {comfy_dir}/custom_nodes (carry .comfyui-gguf; "
+                         "bench/DEVICE.md)")
+    return pack
 
 
 def load_stock_gguf(path: str):
