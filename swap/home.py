@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from .host_pool import HostBuffer, HostPool
+from .page_out import FileMaps
 
 log = logging.getLogger("ringswap.home")
 
@@ -87,6 +88,7 @@ def capture(states: list, pool: HostPool) -> None:
     """Give every block a home holding its current weights and point its parameters there;
     re-captures a block whose tensors were replaced from outside (e.g. another loader
     moved the shared model)."""
+    maps = FileMaps()   # a model mapped from its file: give back each block's pages once copied
     for s in states:
         buf = pool.blocks.get(s.index)
         current = s.binding.current()
@@ -96,6 +98,7 @@ def capture(states: list, pool: HostPool) -> None:
             buf = pool.add(s.index, s.layout.nbytes)
         s.layout.pack(current, buf.flat)
         s.binding.bind(s.layout.views(buf.flat))
+        maps.page_out(current)
 
 
 def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int) -> None:

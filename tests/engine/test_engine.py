@@ -427,3 +427,53 @@ def test_auto_home_pins_its_streamed_homes_while_placing_on_cuda():
         assert torch.equal(run(blocks, x), want)
         engine.detach()
         assert engine.pool.pinned_bytes == 0 and sorted(engine.pool.blocks) == sorted(plan.streamed)
+
+
+def _rss_file() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+    except (OSError, StopIteration):
+        return None
+
+
+@pytest.mark.parametrize("page_out", [True, False])
+def test_capture_from_a_file_mapping_gives_its_pages_back(tmp_path, monkeypatch, page_out):
+    """Blocks whose weights are views of a memory-mapped file (as ComfyUI-GGUF builds them):
+    capturing their homes copies them exactly, and on Linux the file's pages leave the RSS as
+    each block is copied (no file mapping plus a second copy). Without page-out (other systems:
+    FileMaps with no ranges) the capture is as exact."""
+    import os
+    import warnings
+
+    import numpy as np
+    from ringswap.swap import page_out as po
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    big = 2 << 20   # each block's weight padded to 2 MiB of file, so pages show in RSS
+    path = tmp_path / "weights.bin"
+    with open(path, "wb") as f:
+        for b in blocks:
+            f.write(b.lin.weight.detach().numpy().tobytes().ljust(big, b"\0"))
+        f.flush()
+        os.fsync(f.fileno())   # clean pages, as a model file's are (dirty ones are not paged out)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    with warnings.catch_warnings():   # torch: the array is not writable (the pack silences this too)
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        views = [torch.from_numpy(mm[i * big:(i + 1) * big]) for i in range(N)]
+    for b, v in zip(blocks, views):   # the weight and the rest of its 2 MiB, as a buffer, from the map
+        b.lin.weight = torch.nn.Parameter(v[:32 * 32 * 4].view(torch.float32).view(32, 32), requires_grad=False)
+        b.register_buffer("pad", v[32 * 32 * 4:])
+        float(v.float().sum())   # every page of the file read once
+    touched = _rss_file()
+    engine = BlockSwapEngine(list(blocks), home="ram")
+    maps = po.FileMaps() if page_out else po.FileMaps(ranges=[])
+    from ringswap.swap import home
+    monkeypatch.setattr(home, "FileMaps", lambda: maps)   # the capture's file mappings: these
+    engine.attach("cpu", ResidencyPlan.make(N, 2, 1))
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+    assert torch.equal(run(blocks, X), ref)
+    after = _rss_file()
+    if page_out and maps.ranges and touched is not None and maps._madvise is not None:
+        assert touched - after >= 0.8 * N * big, (touched, after)   # the copied blocks' file pages left

@@ -1,0 +1,77 @@
+"""Give back the RAM of file-mapped tensors once their bytes are copied into a home.
+
+A model whose weights are views of a memory-mapped file (ComfyUI-GGUF maps the .gguf) keeps
+every page it has read in the process's RSS while the map lives, so copying its blocks into
+homes would hold the file twice. On Linux the copied ranges that lie in file mappings are paged
+out (madvise MADV_PAGEOUT, Linux 5.4+: data-safe; clean file pages are dropped and read again
+on a later touch); anonymous memory is left alone. Written here because neither torch nor the
+standard library pages out memory it did not map itself. Elsewhere (Windows, macOS, older
+Linux) nothing is done, and the OS trims mapped file pages under memory pressure on its own.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import mmap
+import sys
+
+import torch
+
+log = logging.getLogger("ringswap.page_out")
+
+MADV_PAGEOUT = 21
+PAGE = mmap.PAGESIZE
+
+
+def _file_ranges() -> list[tuple[int, int]]:
+    """(start, end) of this process's mappings of regular files, sorted; [] off Linux."""
+    if not sys.platform.startswith("linux"):
+        return []
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/") and not parts[5].startswith(("/dev/", "/proc/")):
+                    start, end = (int(x, 16) for x in parts[0].split("-"))
+                    out.append((start, end))
+    except OSError:
+        return []
+    return sorted(out)
+
+
+class FileMaps:
+    """The process's file mappings as they are now; `page_out` gives back copied tensors' pages."""
+
+    def __init__(self, ranges: list[tuple[int, int]] | None = None):
+        self.ranges = _file_ranges() if ranges is None else ranges
+        self._starts = [r[0] for r in self.ranges]
+        self._madvise = None
+        if self.ranges:
+            libc = ctypes.CDLL(None, use_errno=True)
+            self._madvise = libc.madvise
+            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def _mapped(self, start: int, end: int) -> bool:
+        k = bisect.bisect_right(self._starts, start) - 1
+        return k >= 0 and self.ranges[k][0] <= start and end <= self.ranges[k][1]
+
+    def page_out(self, tensors: list[torch.Tensor]) -> int:
+        """Page out the whole pages of these CPU tensors that lie in a file mapping; the bytes
+        given back (0 where nothing applies or the kernel refuses)."""
+        done = 0
+        for t in tensors:
+            if self._madvise is None or t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous():
+                continue
+            start = t.data_ptr()
+            end = start + t.numel() * t.element_size()
+            lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+            if hi <= lo or not self._mapped(start, end):
+                continue
+            if self._madvise(lo, hi - lo, MADV_PAGEOUT) != 0:
+                log.debug("RingSwap: madvise(MADV_PAGEOUT) refused (errno %d)", ctypes.get_errno())
+                self._madvise = None   # an older kernel: do not ask again
+                continue
+            done += hi - lo
+        return done
