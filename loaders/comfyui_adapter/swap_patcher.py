@@ -167,9 +167,12 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
         read, read_s = engine.read_back
-        log.info("%s; %s memory, %.2f GB at home%s; placed in %.2f s%s%s", plan.line(), engine.memory,
+        folder = self.lora_folder(device)
+        dense = max((folder.extra_bytes(i) for i in range(engine.num_blocks)), default=0) if folder else 0
+        log.info("%s; %s memory, %.2f GB at home%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
                  engine.pool.nbytes / 1e9, f"; {split.line()}" if split is not None else "",
-                 time.perf_counter() - t0,
+                 f"; LoRA on GGUF: {dense / 1e9:.2f} GB of dense weights a block on the device (planned)"
+                 if dense else "", time.perf_counter() - t0,
                  f" (read {read / 1e9:.2f} GB from the file in {read_s:.2f} s)" if read else "",
                  " (switched from another block-swapped model)" if switched else "")
 

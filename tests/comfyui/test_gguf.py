@@ -198,11 +198,12 @@ def test_lora_on_gguf_folds_once_per_landing_and_equals_comfyui_gguf(gguf_dir, f
     comfy.model_management.unload_all_models()
 
 
-def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir):
+def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir, caplog):
     """Strength 1 then 0.5 on the same loaded GGUF model: each equals ComfyUI-GGUF's own run
     at that strength, with no read of the file in between."""
     name = "wan_Q8_0_F32.gguf"
     base = load_gguf(name)
+    caplog.set_level("INFO", logger="ringswap.patcher")
     for strength in (1.0, 0.5):
         want = forward(lora_on(load_gguf(name), "kohya", strength), *inputs(seed=0))
         comfy.model_management.unload_all_models()
@@ -213,6 +214,8 @@ def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir):
         assert [p - s.layout.nbytes for p, s in zip(planned.block_sizes, model.swap_engine.states)] == [dense] * BLOCKS
         assert planned.nonblock_bytes > model.swap_state.nonblock_bytes, "the fold's workspace is planned"
         comfy.model_management.unload_all_models()
+    assert any("LoRA on GGUF: 0.00 GB of dense weights a block" in r.getMessage() for r in caplog.records
+               if r.name == "ringswap.patcher"), "the plan line says what the dense folds take"
 
 
 @pytest.mark.server
