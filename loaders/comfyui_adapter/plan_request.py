@@ -1,8 +1,8 @@
 """The plan a run of a diffusion_models file would get, without loading it (GET /ringswap/plan).
 
-The model is built on the meta device from the file's header (cached per unchanged
-file), so block sizes, non-block weights and ComfyUI's activation estimate are the ones
-a load would have; the free VRAM counts what ComfyUI would unload before the run.
+The model is built on the meta device from the file's header (a .gguf: by ComfyUI-GGUF on
+the file's memory map, no weight read), cached per unchanged file, so block sizes, non-block
+weights and ComfyUI's activation estimate are the ones a load would have; the free VRAM counts what ComfyUI would unload before the run.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import comfy.model_management
 from ...swap.planner import PlanInputs, WindowPlan, plan_step
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_features as features
+from . import gguf_file
 from .block_lists import ALL_NAMES, find_block_lists, nonblock_bytes
 from .run_plan import tokens
 from .skeleton import build_skeleton
@@ -44,7 +45,10 @@ def file_facts(path: str) -> FileFacts:
         if facts is not None:
             _CACHE.move_to_end(key)
             return facts
-    model = build_skeleton(SafetensorsIndex.open(path), ALL_NAMES, weights=False).model
+    if gguf_file.is_gguf(path):   # ComfyUI-GGUF's model on the file's map: nothing of the weights is read
+        model = gguf_file.load_gguf_model(path).model
+    else:
+        model = build_skeleton(SafetensorsIndex.open(path), ALL_NAMES, weights=False).model
     dm = model.diffusion_model
     lists = find_block_lists(dm, path)
     blocks = [b for _, bl in lists for b in bl]

@@ -87,6 +87,21 @@ def test_plan_for_a_listed_model(server):
     assert none["fits"] is False and "not even one block fits" in none["error"]
 
 
+def test_plan_for_a_gguf_model(server, shared_models):
+    """A .gguf in diffusion_models (read with ComfyUI-GGUF's loader code, none of its weights
+    read): its plan has every block, sized as the GGUF bytes that travel (a quarter of bf16 for Q4_K)."""
+    from conftest import COMFY
+    if not os.path.isfile(os.path.join(COMFY, "custom_nodes", "ComfyUI-GGUF", "nodes.py")):
+        pytest.skip("ComfyUI-GGUF not linked into this ComfyUI (make test does it)")
+    from support.gguf_files import write_wan_gguf
+    src = os.path.join(shared_models, "diffusion_models", UNET)
+    write_wan_gguf(src, os.path.join(shared_models, "diffusion_models", "tiny_wan_plan.gguf"), "Q4_0")
+    status, plan = get(server, model="tiny_wan_plan.gguf", width=64, height=64, frames=5)
+    assert status == 200 and plan["fits"] and plan["num_blocks"] == BLOCKS, plan
+    _, bf16 = get(server, model=UNET, width=64, height=64, frames=5)
+    assert plan["block_bytes_on_device"] < 0.5 * bf16["block_bytes_on_device"], (plan["line"], bf16["line"])
+
+
 def test_a_budgeted_run_gets_the_routes_window(server):
     _, plan = get(server, model=UNET, width=64, height=64, frames=5)
     block = plan["block_bytes_on_device"] / BLOCKS
