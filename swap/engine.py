@@ -21,6 +21,7 @@ from .layout import BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .slot_ring import Slot, SlotRing
+from .staged_copy import PinnedChunks
 from .sources import FileSource, RamSource
 from .state import Attachment, BlockState, OnLand
 from .stats import RunStats
@@ -202,13 +203,14 @@ class BlockSwapEngine:
         """Place the `placing` blocks (before page-locking changes: a block streamed until now
         copies from its pinned home), the file's reads running ahead; returns the bytes read."""
         from_file = [i for i in placing if i not in self.pool.blocks]   # read back, in placing order
-        for i in placing:
-            self._read_ahead(att, from_file)
-            read_back += self._place(att, self.states[i])
-            if from_file and from_file[0] == i:
-                from_file.pop(0)
-            if report is not None:
-                report(read_back, 0)
+        with PinnedChunks(pin=att.pin_memory != "off") as chunks:   # pageable homes: staged uploads
+            for i in placing:
+                self._read_ahead(att, from_file)
+                read_back += self._place(att, self.states[i], chunks)
+                if from_file and from_file[0] == i:
+                    from_file.pop(0)
+                if report is not None:
+                    report(read_back, 0)
         att.copier.synchronize()
         return read_back
 
@@ -218,13 +220,16 @@ class BlockSwapEngine:
             if att.readahead.request(i, self.states[i].layout.nbytes) is None:
                 return
 
-    def _place(self, att: Attachment, s: BlockState) -> int:
-        """Copy a resident block to its device buffer, from its home or else the file;
-        returns the bytes read from the file."""
+    def _place(self, att: Attachment, s: BlockState, chunks: PinnedChunks) -> int:
+        """Copy a resident block to its device buffer, from its home (a pageable one through
+        `chunks`) or else the file; returns the bytes read from the file."""
         s.device_buffer = empty_bytes(s.layout.nbytes, att.device)
         read = 0
-        if s.index in self.pool.blocks:
-            att.copier.copy(s.device_buffer, self.pool.blocks[s.index].flat, None)
+        home_buf = self.pool.blocks.get(s.index)
+        if home_buf is not None and home_buf.pinned:
+            att.copier.copy(s.device_buffer, home_buf.flat, None)
+        elif home_buf is not None:
+            chunks.upload(home_buf.flat, s.device_buffer)
         else:
             staged = att.readahead.take(s.index, s.layout.nbytes)
             att.readahead.release(staged, att.copier.copy(

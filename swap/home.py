@@ -13,8 +13,9 @@ from typing import Callable
 
 import torch
 
-from .host_pool import HostBuffer, HostPool
+from .host_pool import HostPool
 from .page_out import FileMaps
+from .staged_copy import PinnedChunks
 
 log = logging.getLogger("ringswap.home")
 
@@ -105,7 +106,7 @@ def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nb
     """Copy resident blocks without a home from the device into new homes, in order, while
     they fit in `nbytes` (stops where host memory runs out)."""
     done, t0 = 0, time.perf_counter()
-    with Download() as download:
+    with PinnedChunks() as chunks:
         for i in resident:
             s = states[i]
             if s.device_buffer is None or i in pool.blocks or done + s.layout.nbytes > nbytes:
@@ -115,61 +116,11 @@ def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nb
             except (OSError, RuntimeError) as e:
                 log.info("RingSwap: no more host memory for resident blocks (%s)", e)
                 break
-            download(s.device_buffer, buf.flat)
+            chunks.download(s.device_buffer, buf.flat)
             done += s.layout.nbytes
     if done:
         log.info("RingSwap: kept %.2f GB of resident blocks in RAM for the next load (%.2f s; room %.2f GB)",
                  done / 1e9, time.perf_counter() - t0, nbytes / 1e9)
-
-
-class Download:
-    """Device-to-host copies into new pageable homes through two pinned staging chunks: the
-    DMA of one chunk overlaps the host copy of the other, which faults the new pages in on
-    torch's threads (a plain copy_ into fresh pages ran at about 1 GB/s on the H200 machine).
-    Within `with`; a plain copy_ where the source is not on CUDA or pinning fails."""
-
-    CHUNK = 64 << 20
-
-    def __enter__(self) -> "Download":
-        self.chunks: list[HostBuffer] = []
-        self.stream = None
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for c in self.chunks:
-            c.unpin()
-        self.chunks = []
-
-    def _staging(self, src: torch.Tensor) -> bool:
-        if not self.chunks:
-            self.chunks = [HostBuffer(self.CHUNK) for _ in range(2)]
-            if not all(c.pin() for c in self.chunks):
-                return False
-            self.stream = torch.cuda.Stream(src.device)
-        return all(c.pinned for c in self.chunks)
-
-    def __call__(self, src: torch.Tensor, dest: torch.Tensor) -> None:
-        if src.device.type != "cuda" or not self._staging(src):
-            dest.copy_(src)
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(src.device))
-        inflight: list[tuple[HostBuffer, int, int, torch.cuda.Event]] = []
-
-        def finish() -> None:
-            chunk, off, m, landed = inflight.pop(0)
-            landed.synchronize()
-            dest[off:off + m].copy_(chunk.flat[:m])
-        for k, off in enumerate(range(0, src.numel(), self.CHUNK)):
-            if len(inflight) == len(self.chunks):
-                finish()
-            chunk, m = self.chunks[k % len(self.chunks)], min(self.CHUNK, src.numel() - off)
-            with torch.cuda.stream(self.stream):
-                chunk.flat[:m].copy_(src[off:off + m], non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(self.stream)
-            inflight.append((chunk, off, m, landed))
-        while inflight:
-            finish()
 
 
 def settle(kind: str, states: list, pool: HostPool, att) -> None:

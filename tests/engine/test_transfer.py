@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ringswap.swap import transfer
-from ringswap.swap.home import Download
+from ringswap.swap.staged_copy import CHUNK, PinnedChunks
 from ringswap.swap.host_pool import mapped_bytes
 from ringswap.swap.transfer import CopyStream
 
@@ -64,16 +64,21 @@ def test_cuda_copies_timed_from_the_stream_order():
 
 
 @pytest.mark.gpu
-def test_download_through_staging_chunks_is_exact():
-    """home.Download copies a device buffer into fresh pageable memory through two pinned
-    chunks; every byte lands, across chunk borders and a short last chunk, on every call."""
+def test_staged_copies_through_pinned_chunks_are_exact():
+    """PinnedChunks copies a device buffer into fresh pageable memory and back through two
+    pinned chunks: every byte lands, across chunk borders and a short last chunk, call after
+    call (an upload refills a chunk only after its last DMA)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    with Download() as download:
-        for n in (Download.CHUNK * 2 + 12345, 1000):
+    with PinnedChunks() as chunks:
+        for n in (CHUNK * 2 + 12345, 1000, CHUNK * 3):
             src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
-            dest = mapped_bytes(n)
-            download(src, dest)
-            assert torch.equal(dest, src.cpu())
-        assert all(c.pinned for c in download.chunks)
-    assert not download.chunks
+            host = mapped_bytes(n)
+            chunks.download(src, host)
+            assert torch.equal(host, src.cpu())
+            back = torch.empty_like(src)
+            chunks.upload(host, back)
+            chunks.synchronize()
+            assert torch.equal(back, src)
+        assert all(c.pinned for c in chunks.chunks)
+    assert not chunks.chunks
