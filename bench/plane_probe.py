@@ -1,0 +1,114 @@
+"""Byte-plane coding (swap/plane_codec.py) of one Wan-14B block on the GPU: ratio, link and decode.
+
+One block of each format (bf16 and fp16 weights N(0, 0.02) as in the bench files; fp8 e4m3 of
+the same, scaled per tensor; random bytes for nvfp4's packed codes), its bytes coded with
+nvCOMP's ANS (bf16/fp16: the high-byte plane coded, the low plane raw; one-byte formats: all
+bytes coded), then: the ratio, a pinned host-to-device copy of the raw block and of the coded
+one, the decode into a slot (events on the coder's stream), and whether the result is the
+block bit for bit. Needs nvCOMP: carry `.whl-nvcomp` (scripts/prepare_nvcomp_wheels.sh) and
+install it with `pip install --no-deps --target /tmp/nvc .whl-nvcomp/*.whl`, PYTHONPATH=/tmp/nvc.
+
+    python3 bench/plane_probe.py [--params 351e6] [--repeat 5] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+WAN_BLOCK_PARAMS = 351e6
+
+
+def block_bytes(fmt: str, params: int, dev: torch.device) -> torch.Tensor:
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(params, generator=g, device=dev) * 0.02
+    if fmt in ("bf16", "fp16"):
+        return w.to(torch.bfloat16 if fmt == "bf16" else torch.float16).view(torch.uint8)
+    if fmt == "fp8":
+        return (w / (w.abs().amax() / 448.0)).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.randint(0, 256, (params // 2,), dtype=torch.uint8, device=dev, generator=g)   # nvfp4 codes
+
+
+def timed(fn, stream: torch.cuda.Stream, repeat: int) -> float:
+    """Mean seconds of `fn()` on `stream`, by events, after one warm-up."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(repeat):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0 / repeat
+
+
+def probe(fmt: str, params: int, repeat: int, dev: torch.device) -> dict:
+    from ringswap.swap.plane_codec import AnsPlanes
+    flat = block_bytes(fmt, params, dev)
+    two_byte = fmt in ("bf16", "fp16")
+    planes = AnsPlanes(dev)
+    t0 = time.perf_counter()
+    if two_byte:
+        coded = planes.encode(flat)
+        high_bytes = coded.high.numel()
+    else:   # one-byte formats: every byte coded (no planes)
+        with torch.cuda.stream(planes.stream):
+            arr = planes.codec.encode(planes.nvcomp.as_array(flat, cuda_stream=planes.stream.cuda_stream))
+            high = torch.as_tensor(arr, device=dev).view(torch.uint8).reshape(-1).clone()
+        planes.stream.synchronize()
+        coded, high_bytes = None, high.numel()
+    encode_s = time.perf_counter() - t0
+    total_coded = high_bytes + (flat.numel() // 2 if two_byte else 0)
+    out = {"format": fmt, "bytes": flat.numel(), "coded_bytes": total_coded, "ratio": total_coded / flat.numel(),
+           "high_plane_ratio": high_bytes / (flat.numel() // 2 if two_byte else flat.numel()), "encode_s": encode_s}
+    raw_host = flat.cpu().pin_memory()
+    slot = torch.empty_like(flat)
+    stream = planes.stream
+    out["copy_raw_s"] = timed(lambda: slot.copy_(raw_host, non_blocking=True), torch.cuda.current_stream(dev), repeat)
+    if coded is None:
+        return out
+    high_h, low_h = coded.high.pin_memory(), coded.low.pin_memory()
+    high_d, low_d = torch.empty_like(high_h, device=dev), torch.empty_like(low_h, device=dev)
+
+    def copy_coded():
+        with torch.cuda.stream(stream):
+            high_d.copy_(high_h, non_blocking=True)
+            low_d.copy_(low_h, non_blocking=True)
+    out["copy_coded_s"] = timed(copy_coded, stream, repeat)
+    out["decode_s"] = timed(lambda: planes.decode(high_d, low_d, slot), stream, repeat)
+
+    def all_in_one():
+        copy_coded()
+        planes.decode(high_d, low_d, slot)
+    out["copy_and_decode_s"] = timed(all_in_one, stream, repeat)
+    stream.synchronize()
+    out["bit_exact"] = bool(torch.equal(slot, flat))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=WAN_BLOCK_PARAMS)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp16", "fp8", "nvfp4"])
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for fmt in a.formats:
+        try:
+            row = probe(fmt, int(a.params), a.repeat, dev)
+        except Exception as e:   # noqa: BLE001  (an API mismatch is the finding: report it, go on)
+            row = {"format": fmt, "error": f"{type(e).__name__}: {e}"}
+        rows.append(row)
+        common.say(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    common.write_json(a.json, {"rows": rows, "env": common.env_info(dev)})
+
+
+if __name__ == "__main__":
+    main()
