@@ -122,6 +122,10 @@ for p in "$@"; do
     experts-fp8-32) compare experts_fp8_32 240 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
                       --rams 32 --experts 2 ;;
     ram-file) compare ram_file 240 --tokens 7800 --configs rs-auto-0.3.75@12 --rams 20 ;;
+    experts-64-cfg5) compare experts_64_cfg5 560 --tokens 7800 --cfgs 5 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
+    experts-fp8-32-cfg5) compare experts_fp8_32_cfg5 400 --formats scaled_fp8 --tokens 7800 --cfgs 5 \
+                           --configs rs-auto-0.3.75@24 --rams 32 --experts 2 ;;
+    ram-32-cfg5) compare ram_32_cfg5 400 --tokens 7800 --cfgs 5 --configs rs-auto-0.3.75 --caps 24 12 --rams 32 ;;
     gguf-8) compare gguf_8 560 --formats gguf_q4_k --tokens 7800 --configs comfy-0.3.75@0 comfy-0.3.75@8 \
               rs-patch-0.3.75@8 comfy-0.33-dyn@8 rs-patch-0.33-dyn@8 rs-loader-0.3.75@8 ;;
     gguf-8-lora) compare gguf_8_lora 560 --formats gguf_q4_k --tokens 7800 --lora-rank 64 --configs \
