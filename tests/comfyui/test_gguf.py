@@ -157,6 +157,30 @@ def test_model_loader_gguf_errors_name_the_file(gguf_dir, tmp_path):
         folder_paths.folder_names_and_paths["diffusion_models"][0].remove(str(tmp_path))
 
 
+def test_model_loader_gguf_file_replaced_is_named(gguf_dir, tmp_path):
+    """A .gguf replaced on disk while the Model Loader serves blocks from it (home=disk): the
+    next run fails naming the file, nothing stays attached, and a fresh load of the new file
+    equals ComfyUI-GGUF's own run of it."""
+    import shutil
+    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
+    from ringswap.loaders.model_file.block_reader import FileChangedError
+    path = str(tmp_path / "replaced.gguf")
+    shutil.copy(os.path.join(gguf_dir, "wan_Q8_0_F32.gguf"), path)
+    model = load_swapped_model(path, SwapSettings(1), home="disk", disk_workers=2)
+    forward(model, *inputs(seed=0))
+    comfy.model_management.unload_all_models()
+    os.replace(shutil.copy(os.path.join(gguf_dir, "wan_Q5_0_F32.gguf"), path + ".new"), path)
+    with pytest.raises(FileChangedError, match="replaced.gguf"):
+        forward(model, *inputs(seed=0))
+    assert model.swap_engine.att is None
+    comfy.model_management.unload_all_models()
+    want = forward(load_gguf("wan_Q5_0_F32.gguf"), *inputs(seed=0))
+    comfy.model_management.unload_all_models()
+    assert torch.equal(forward(load_swapped_model(path, SwapSettings(1), home="disk"), *inputs(seed=0)), want)
+    comfy.model_management.unload_all_models()
+
+
 def lora_on(model, fmt, strength=1.0):
     """What the stock LoraLoaderModelOnly does: comfy.sd.load_lora_for_models(model, None, ...).
     `diffusers` (Wan's diffusers names, which ComfyUI's key map does not know): RingSwap's
