@@ -8,6 +8,7 @@ import torch
 
 import comfy.model_management
 import folder_paths
+import nodes
 
 from conftest import COMFY
 from ringswap.loaders.comfyui_adapter import run_plan
@@ -126,7 +127,6 @@ def test_model_loader_reads_gguf_files(gguf_dir, home):
 def test_model_loader_gguf_errors_name_the_file(gguf_dir, tmp_path):
     """A .gguf whose block tensor ComfyUI-GGUF converts at load (so the file's bytes are not the
     block's) with home=disk, and a .gguf without ComfyUI-GGUF installed: clear errors."""
-    import nodes
     from ringswap.loaders.comfyui_adapter import gguf_file
     path = os.path.join(gguf_dir, "wan_Q8_0_F32.gguf")
     saved = nodes.NODE_CLASS_MAPPINGS.pop(gguf_file.PACK_NODE)
@@ -178,6 +178,29 @@ def test_model_loader_gguf_file_replaced_is_named(gguf_dir, tmp_path):
     want = forward(load_gguf("wan_Q5_0_F32.gguf"), *inputs(seed=0))
     comfy.model_management.unload_all_models()
     assert torch.equal(forward(load_swapped_model(path, SwapSettings(1), home="disk"), *inputs(seed=0)), want)
+    comfy.model_management.unload_all_models()
+
+
+def test_out_of_memory_recovery_on_gguf_with_lora_is_exact(gguf_dir):
+    """An out-of-memory in a streamed block of a GGUF MODEL with a LoRA (dense folds held per
+    slot) retries the step at a smaller window, as for safetensors: the sampled latent equals
+    ComfyUI-GGUF's own LoRA run, and no slot or dense weight is left behind."""
+    from support.faults import inject_oom
+    from wan_model import conditioning, latent
+    name = "wan_Q4_K_F32.gguf"
+
+    def ksample(model):
+        (out,) = nodes.KSampler().sample(model, 5, 3, 1.0, "euler", "simple", conditioning(1), conditioning(2),
+                                         latent())
+        return out["samples"].clone()
+    want = ksample(lora_on(load_gguf(name), "kohya"))
+    comfy.model_management.unload_all_models()
+    (model,) = RingSwapPatch().patch(lora_on(load_gguf(name), "kohya"), 3, 1, "auto")
+    engine = model.swap_engine
+    inject_oom(engine, call=2, block=BLOCKS - 1)
+    assert torch.equal(ksample(model), want)
+    assert engine.plan.window == 2 and all(s.slot is None for s in engine.states)
+    assert all(slot.replaced is None or slot.owner is not None for slot in engine.att.ring.slots)
     comfy.model_management.unload_all_models()
 
 
