@@ -5,7 +5,7 @@ steady host RSS <= 1.05 x the file with home=ram, a few blocks with home=disk (w
 held to the disk's own O_DIRECT rate instead). home=auto under a RAM ballast (issue 25): no
 swapping, peak RSS <= the RAM given, <= 1.02 x home=ram where the streamed blocks fit in RAM,
 else the file's share read at >= 85% of O_DIRECT; an expert switch <= its resident bytes at
-the disk's rate."""
+the disk's rate. GGUF at 8 GiB (issue 27): <= 0.8 x Unet Loader (GGUF) alone."""
 from __future__ import annotations
 
 import re
@@ -147,6 +147,19 @@ def _lora_target(speeds: dict, c: dict, r: dict) -> str:
     return f"LoRA x{x:.3f} the same run without it ({'ok' if x <= 1.03 else 'MISSED'} <= 1.03)"
 
 
+def _gguf_target(cells: list[dict], c: dict, r: dict) -> str:
+    """Issue 27: a GGUF model at 8 GiB through RingSwap <= 0.8 x Unet Loader (GGUF) alone on the
+    same ComfyUI version (its own offloading), at the same cap, cfg, link, LoRA and tokens."""
+    if not scenario(c)[0].startswith("gguf") or c["cap_gib"] != 8:
+        return ""
+    for p, pr in _rows(cells, ("comfy",)):
+        same = scenario(p) + (p["cap_gib"], pr["tokens"]) == scenario(c) + (c["cap_gib"], r["tokens"])
+        if same and CONFIGS[p["config"]].comfy == CONFIGS[c["config"]].comfy:
+            x = r["s_per_step"] / pr["s_per_step"]
+            return f"x{x:.3f} Unet Loader (GGUF) alone {pr['s_per_step']:.3f} ({'ok' if x <= 0.8 else 'MISSED'} <= 0.8)"
+    return ""
+
+
 def targets(cells: list[dict], link_gbps: float | None, workers: int = 8) -> str:
     """One line per RingSwap row under a cap, every target it is held to."""
     speeds = speeds_of(cells)
@@ -165,7 +178,7 @@ def targets(cells: list[dict], link_gbps: float | None, workers: int = 8) -> str
             if resident and c["cap_gib"] == 24 and cfg == 1 and link == "full":
                 x = s / resident
                 bits.append(f"x{x:.3f} resident ({'ok' if x <= 1.01 else 'MISSED'} <= 1.01)")
-            bits += [_resident_targets(c, r, resident, rate), _lora_target(speeds, c, r)]
+            bits += [_resident_targets(c, r, resident, rate), _lora_target(speeds, c, r), _gguf_target(cells, c, r)]
             bits += _peers(cells, c, r) + [_link(c, r, resident, rate), _rss(c, r, workers)]
         bits = [b for b in bits if b]
         lines.append(f"- {fmt} cfg {cfg:g} link {link} {c['cap_gib']:g} GiB {c['config']} {r['tokens']:,} tokens "

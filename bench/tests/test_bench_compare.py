@@ -243,3 +243,16 @@ def test_a_lora_cell_is_its_own_workload_held_to_the_run_without_it():
     line = _line(compare_targets.targets([plain, lora], LINK), "- bf16 + LoRA rank 64 cfg 1 link full 24 GiB "
                  "rs-patch-0.33-dyn 7,800 tokens")
     assert "LoRA x1.020 the same run without it (ok <= 1.03)" in line
+
+
+@pytest.mark.parametrize("ratio,says", [(0.7, "ok <= 0.8"), (0.9, "MISSED <= 0.8")])
+def test_gguf_at_8_gib_is_held_to_the_packs_own_run(ratio, says):
+    """A GGUF cell at 8 GiB: RingSwap Patch against Unet Loader (GGUF) alone on its ComfyUI version."""
+    alone = copy.deepcopy(_cell("comfy-0.3.75", 24.0))
+    rs = copy.deepcopy(_cell("rs-patch-0.3.75", 24.0))
+    for c in (alone, rs):
+        c.update(format="gguf_q4_k", cap_gib=8.0)
+        c["rows"] = [r for r in c["rows"] if r["tokens"] == 7800]
+    rs["rows"][0]["s_per_step"] = ratio * alone["rows"][0]["s_per_step"]
+    line = _line(compare_targets.targets([alone, rs], LINK), "- gguf_q4_k cfg 1 link full 8 GiB rs-patch-0.3.75")
+    assert f"x{ratio:.3f} Unet Loader (GGUF) alone" in line and says in line
