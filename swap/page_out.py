@@ -6,7 +6,7 @@ homes would hold the file twice. On Linux the copied ranges that lie in file map
 out (madvise MADV_PAGEOUT, Linux 5.4+: data-safe; clean file pages are dropped and read again
 on a later touch); anonymous memory is left alone. Written here because neither torch nor the
 standard library pages out memory it did not map itself. Elsewhere (Windows, macOS, older
-Linux) nothing is done, and the OS trims mapped file pages under memory pressure on its own.
+Linux) nothing is done: mapped file pages then go only when the OS trims them.
 """
 from __future__ import annotations
 
