@@ -10,8 +10,9 @@ import comfy.model_management
 import folder_paths
 import nodes
 
-from conftest import COMFY
+from conftest import COMFY, CUDA
 from ringswap.loaders.comfyui_adapter import run_plan
+from ringswap.loaders.comfyui_adapter.comfy_features import inference_dtype
 from ringswap.nodes.patch import RingSwapPatch
 from support.gguf_files import QTYPES, comfyui_gguf_pack, write_wan_gguf
 from support.lora_files import LINEARS, linear_shape
@@ -26,6 +27,14 @@ if PACK is None:
 
 BLOCKS = 4
 FILES = [(q, "F32") for q in QTYPES] + [("Q8_0", "F16")]   # (block linears, the other 2-D+ tensors)
+
+
+def same_lora(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """A LoRA run on GGUF against ComfyUI-GGUF's own: bit for bit on the CPU; on CUDA plain LoRA
+    pairs fold with a fused addmm_ (one rounding per weight), so within 5e-3 (relative L2)."""
+    if not CUDA:
+        return torch.equal(got, want)
+    return ((got.float() - want.float()).norm() / want.float().norm()).item() <= 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +129,7 @@ def test_model_loader_reads_gguf_files(gguf_dir, home):
         for _ in range(2):
             assert torch.equal(forward(model, *inputs(seed=0)), want), (home, window, prefetch)
         comfy.model_management.unload_all_models()
-        assert torch.equal(forward(lora_on(model, "kohya"), *inputs(seed=0)), want_lora), (home, window)
+        assert same_lora(forward(lora_on(model, "kohya"), *inputs(seed=0)), want_lora), (home, window)
         comfy.model_management.unload_all_models()
 
 
@@ -198,7 +207,7 @@ def test_out_of_memory_recovery_on_gguf_with_lora_is_exact(gguf_dir):
     (model,) = RingSwapPatch().patch(lora_on(load_gguf(name), "kohya"), 3, 1, "auto")
     engine = model.swap_engine
     inject_oom(engine, call=2, block=BLOCKS - 1)
-    assert torch.equal(ksample(model), want)
+    assert same_lora(ksample(model), want)
     assert engine.plan.window == 2 and all(s.slot is None for s in engine.states)
     assert all(slot.replaced is None or slot.owner is not None for slot in engine.att.ring.slots)
     comfy.model_management.unload_all_models()
@@ -238,7 +247,7 @@ def test_lora_on_gguf_folds_once_per_landing_and_equals_comfyui_gguf(gguf_dir, f
         assert folder is not None and any(folder.extra_bytes(b) for b in range(BLOCKS)), "dense folds planned"
         for _ in range(2):
             got = forward(model, *inputs(seed=0))
-            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{fmt} {qtype} window {window}")
+            assert same_lora(got, want), (fmt, qtype, window)
         comfy.model_management.unload_all_models()
     (model,) = RingSwapPatch().patch(base, 2, 1, "auto")
     assert torch.equal(forward(model, *inputs(seed=0)), plain), "nothing of the LoRA stays behind"
@@ -255,9 +264,10 @@ def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir, caplog):
         want = forward(lora_on(load_gguf(name), "kohya", strength), *inputs(seed=0))
         comfy.model_management.unload_all_models()
         (model,) = RingSwapPatch().patch(lora_on(base, "kohya", strength), 2, 1, "auto")
-        assert torch.equal(forward(model, *inputs(seed=0)), want), strength
+        assert same_lora(forward(model, *inputs(seed=0)), want), strength
         planned = run_plan.plan_inputs(model, torch.device("cpu"), 10**12, None)
-        dense = sum(o * i for o, i in (linear_shape(n, 128, 256) for n in LINEARS)) * 4   # float32 here
+        itemsize = torch.empty(0, dtype=inference_dtype(model.model)).element_size()   # what the model computes in
+        dense = sum(o * i for o, i in (linear_shape(n, 128, 256) for n in LINEARS)) * itemsize
         assert [p - s.layout.nbytes for p, s in zip(planned.block_sizes, model.swap_engine.states)] == [dense] * BLOCKS
         assert planned.nonblock_bytes > model.swap_state.nonblock_bytes, "the fold's workspace is planned"
         comfy.model_management.unload_all_models()
@@ -300,10 +310,10 @@ def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_serve
         for window in (1, 2):
             for run in range(2):
                 got = latent(True, window, f"gguf_w{window}_{run}_{with_lora}", with_lora)
-                assert torch.equal(got, want), (with_lora, window, run)
+                assert same_lora(got, want) if with_lora else torch.equal(got, want), (with_lora, window, run)
         for home in ("ram", "disk"):
             got = latent(False, 1, f"gguf_loader_{home}_{with_lora}", with_lora, home=home)
-            assert torch.equal(got, want), ("Model Loader", home, with_lora)
+            assert same_lora(got, want) if with_lora else torch.equal(got, want), ("Model Loader", home, with_lora)
     assert not torch.equal(latent(False, prefix="gguf_stock_again"), want), "the LoRA changes the latent"
 
 
