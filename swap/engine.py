@@ -14,14 +14,13 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from . import home
+from . import home, placement
 from .hooks import BlockHooks
-from .host_pool import HostPool, empty_bytes
+from .host_pool import HostPool
 from .layout import BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .slot_ring import Slot, SlotRing
-from .staged_copy import PinnedChunks
 from .sources import FileSource, RamSource
 from .state import Attachment, BlockState, OnLand
 from .stats import RunStats
@@ -161,7 +160,7 @@ class BlockSwapEngine:
             if file_streamed or any(i not in self.pool.blocks for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
                                           pin=device.type == "cuda" and pin_memory != "off")
-            read_back = self._place_all(att, placing, read_back, report)
+            read_back = placement.place_all(self.states, self.pool, att, placing, read_back, report)
             if pinning is not None:
                 pinning.join()
             home.settle(self.home, self.states, self.pool, att)
@@ -197,46 +196,6 @@ class BlockSwapEngine:
             self.states[i].unbind(device)
         att.hooks = BlockHooks([s.block for s in self.states], list(plan.streamed),
                                self._before_block, self._after_block)
-
-    def _place_all(self, att: Attachment, placing: list[int], read_back: int,
-                   report: Callable[[int, int], None] | None) -> int:
-        """Place the `placing` blocks (before page-locking changes: a block streamed until now
-        copies from its pinned home), the file's reads running ahead; returns the bytes read."""
-        from_file = [i for i in placing if i not in self.pool.blocks]   # read back, in placing order
-        with PinnedChunks(pin=att.pin_memory != "off") as chunks:   # pageable homes: staged uploads
-            for i in placing:
-                self._read_ahead(att, from_file)
-                read_back += self._place(att, self.states[i], chunks)
-                if from_file and from_file[0] == i:
-                    from_file.pop(0)
-                if report is not None:
-                    report(read_back, 0)
-        att.copier.synchronize()
-        return read_back
-
-    def _read_ahead(self, att: Attachment, blocks: list[int]) -> None:
-        """Start the next resident blocks' file reads in the free staging buffers (the disk reads on)."""
-        for i in blocks:
-            if att.readahead.request(i, self.states[i].layout.nbytes) is None:
-                return
-
-    def _place(self, att: Attachment, s: BlockState, chunks: PinnedChunks) -> int:
-        """Copy a resident block to its device buffer, from its home (a pageable one through
-        `chunks`) or else the file; returns the bytes read from the file."""
-        s.device_buffer = empty_bytes(s.layout.nbytes, att.device)
-        read = 0
-        home_buf = self.pool.blocks.get(s.index)
-        if home_buf is not None and home_buf.pinned:
-            att.copier.copy(s.device_buffer, home_buf.flat, None)
-        elif home_buf is not None:
-            chunks.upload(home_buf.flat, s.device_buffer)
-        else:
-            staged = att.readahead.take(s.index, s.layout.nbytes)
-            att.readahead.release(staged, att.copier.copy(
-                s.device_buffer, staged.buffer.flat[:s.layout.nbytes], None))
-            read = s.layout.nbytes
-        s.binding.bind(s.layout.views(s.device_buffer))
-        return read
 
     def detach(self, capture_bytes: int = 0) -> None:
         """Drain copies, unhook, free device buffers; parameters point at home again. home=auto:
