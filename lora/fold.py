@@ -21,7 +21,7 @@ import torch
 
 from .blocks import SwappedBlocks
 from .checks import attr_index, attr_shape, check_patches, effective_patches
-from .dense_fold import WORKSPACE_FLOATS, DenseOp, is_dense_packed, is_plain_packed
+from .dense_fold import WORKSPACE_FLOATS, DenseOp, dense_codec
 from .fold_ops import FoldOp, PlainOp, make_op
 
 log = logging.getLogger("ringswap.fold")
@@ -113,9 +113,11 @@ def block_folder(blocks: SwappedBlocks, patches_by_key: dict,
             continue
         if all(p[3] is None for p in patches):
             check_patches(key, patches, attr_shape(layout, attr))
-        if is_dense_packed(layout, attr):   # ComfyUI-GGUF: dequantized and patched once per landing
-            op = DenseOp(key, patches, i, layout, module.get_submodule(attr.path), compute_dtype)
-        elif is_plain_packed(layout, attr):   # its F32/F16 tensors: patched in float32 as the pack does
+        codec = dense_codec(attr)
+        if codec is not None and codec.quantized(attr.spec):   # GGUF: dequantized and patched once per landing
+            op = DenseOp(key, patches, i, layout, module.get_submodule(attr.path), compute_dtype,
+                         attr_shape(layout, attr))
+        elif codec is not None:   # GGUF's F32/F16 tensors: patched in place in float32, as the pack does
             op = PlainOp(key, patches, attr.entries[0], torch.float32)
         else:
             op = make_op(key, patches, layout, attr, names, patch_dtype)

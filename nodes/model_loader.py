@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import folder_paths
 
-from ..loaders.comfyui_adapter.gguf_file import gguf_names
+from ..loaders.comfyui_adapter.gguf_file import model_names
 from ..loaders.comfyui_adapter.live_feed import progress_bar
 from ..loaders.comfyui_adapter.load_swapped import cached_swapped_base
 from ..loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
@@ -34,7 +34,7 @@ class RingSwapModelLoader:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "unet_name": (folder_paths.get_filename_list("diffusion_models") + gguf_names(),
+            "unet_name": (model_names(),
                           {"tooltip": "A .safetensors diffusion model (bf16, fp16, fp32, fp8, scaled fp8), or a "
                                       ".gguf one (read with the ComfyUI-GGUF pack's loader, which must be "
                                       "installed)."}),

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from ..loaders.comfyui_adapter import comfy_features as features
 from ..loaders.comfyui_adapter import live_feed
-from ..loaders.comfyui_adapter.gguf_file import gguf_names
+from ..loaders.comfyui_adapter.gguf_file import model_names
 from ..loaders.comfyui_adapter.plan_request import plan_for_file
 from ..swap.planner import NotEnoughVRAM
 
@@ -55,7 +55,7 @@ async def get_plan(request: web.Request) -> web.Response:
     if not name:
         return web.json_response({"error": "'model' is required: a name from ComfyUI's diffusion_models list"},
                                  status=400)
-    if name not in folder_paths.get_filename_list("diffusion_models") + gguf_names():
+    if name not in model_names():
         return web.json_response({"error": f"no model named {name!r} in ComfyUI's diffusion_models list"},
                                  status=404)
     try:

@@ -171,7 +171,8 @@ class BlockSwapEngine:
                 self._issue(i, att.ring.victim([]))
             att.copier.take_times()   # resident placement is loading, not a run's copies
             for i in placing if on_land is not None else ():
-                self.states[i].binding.bind_some(on_land(i, self.states[i].binding.current()) or {})
+                binding = self.states[i].binding
+                binding.bind_some(binding.bindable(on_land(i, binding.current()) or {}))
             att.stats = att.new_stats()
         except BaseException:
             if pinning is not None:
@@ -264,7 +265,8 @@ class BlockSwapEngine:
         s = self.states[block]
         s.slot = slot
         if att.on_land is not None and not slot.landed:
-            slot.replaced = att.copier.landed(att.on_land, block, slot.views(s.layout), since=(waited, slot.ready))
+            replaced = att.copier.landed(att.on_land, block, slot.views(s.layout), since=(waited, slot.ready))
+            slot.replaced = s.binding.bindable(replaced) if replaced else None
         slot.landed = True
         s.binding.bind_joined(slot.joined(s.layout))
         if slot.replaced:

@@ -37,6 +37,10 @@ class TensorCodec(Protocol):
     def join(self, spec: Any, parts: list[torch.Tensor]) -> torch.Tensor:
         """The packed tensor around `parts` (same order as split)."""
 
+    # Optional, for packed tensors a layer computes from in a dense form (a LoRA fold then
+    # binds that form instead, lora/dense_fold.py): `quantized(spec) -> bool` and
+    # `dequantize(spec, parts, dtype, dequant_dtype) -> Tensor`.
+
 
 _CODECS: dict[type, TensorCodec] = {}
 
@@ -149,13 +153,17 @@ class BlockBinding:
         """Point the block's parameters and buffers at `tensors` (no copy)."""
         self.bind_joined(self.layout.joined(tensors))
 
+    def bindable(self, values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """`values` (attr index -> tensor, e.g. a packed weight's dense form made when the block
+        landed) as `bind_some` sets them: parameters wrapped once."""
+        return {k: nn.Parameter(v, requires_grad=False) if self.targets[k][1].is_param else v
+                for k, v in values.items()}
+
     def bind_some(self, values: dict[int, torch.Tensor]) -> None:
-        """Point the attributes at these indices (into `layout.attrs`) at other tensors, e.g.
-        a packed weight's dense form made when the block landed."""
+        """Point the attributes at these indices (into `layout.attrs`) at other tensors (from `bindable`)."""
         for k, v in values.items():
             module, a = self.targets[k]
-            (module._parameters if a.is_param else module._buffers)[a.name] = \
-                nn.Parameter(v, requires_grad=False) if a.is_param and not isinstance(v, nn.Parameter) else v
+            (module._parameters if a.is_param else module._buffers)[a.name] = v
 
     def bind_joined(self, values: list) -> None:
         """Point the block's parameters and buffers at `values` from `layout.joined`."""

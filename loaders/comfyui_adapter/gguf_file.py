@@ -5,7 +5,6 @@ range of the file (the GGUF header gives offset and size), exactly as the block 
 Without ComfyUI-GGUF installed, a clear error names the pack."""
 from __future__ import annotations
 
-import os
 import sys
 from concurrent.futures import Future
 
@@ -43,8 +42,8 @@ def pack_nodes(path: str):
 
 
 def gguf_names() -> list[str]:
-    """The .gguf files of diffusion_models (and its legacy name unet), as ComfyUI-GGUF lists
-    them; found also without the pack, so the loader can say that the pack is missing."""
+    """The .gguf files of diffusion_models (and its legacy name unet), found with ComfyUI's own
+    search also without the pack, so the loader can say that the pack is missing."""
     names: set[str] = set()
     for folder in ("diffusion_models", "unet"):
         try:
@@ -52,11 +51,14 @@ def gguf_names() -> list[str]:
         except KeyError:
             continue
         for root in roots:
-            for d, _, files in os.walk(root, followlinks=True):
-                rel = os.path.relpath(d, root)
-                names.update(f if rel == "." else os.path.join(rel, f).replace(os.sep, "/")
-                             for f in files if is_gguf(f))
+            names.update(folder_paths.filter_files_extensions(folder_paths.recursive_search(root)[0], {SUFFIX}))
     return sorted(names)
+
+
+def model_names() -> list[str]:
+    """What RingSwap Model Loader offers and the plan route accepts: diffusion_models' own list
+    and its .gguf files."""
+    return folder_paths.get_filename_list("diffusion_models") + gguf_names()
 
 
 def load_gguf_model(path: str) -> comfy.model_patcher.ModelPatcher:

@@ -20,10 +20,22 @@ CLASS_NAME = "GGMLTensor"
 
 
 class GgmlCodec:
+    """Also the dense-form interface a LoRA fold uses (swap.layout.TensorCodec's optional
+    `quantized` / `dequantize`): the pack's own `is_quantized` and `dequantize_tensor`."""
     fresh_join = True   # ComfyUI-GGUF hangs a forward's LoRA patches on the weight tensor itself
 
     def __init__(self, cls: type):
         self.cls = cls
+        self.pack = sys.modules.get(cls.__module__)   # the pack's ops module, under ComfyUI's name for it
+
+    def quantized(self, spec) -> bool:
+        """Whether a tensor of this spec holds quantized bytes (F32/F16 hold plain values)."""
+        return bool(self.pack.is_quantized(self.join(spec, [torch.empty(0, dtype=torch.uint8)])))
+
+    def dequantize(self, spec, parts, dtype: torch.dtype, dequant_dtype=None) -> torch.Tensor:
+        """The dense weight of the packed one, as the pack's layer computes it each forward."""
+        w = self.pack.dequantize_tensor(self.join(spec, parts), dtype, dequant_dtype)
+        return w if type(w) is torch.Tensor else w.as_subclass(torch.Tensor)
 
     def split(self, t, name):
         return (t.tensor_type, t.tensor_shape), [(name, t.as_subclass(torch.Tensor))]
@@ -41,25 +53,16 @@ def register_for(module: nn.Module) -> None:
             register_codec(cls, GgmlCodec(cls))
 
 
-def _pack_quantized(t) -> object | None:
-    """The pack's module if `t` is one of its quantized GGMLTensors, else None."""
-    if type(t).__name__ != CLASS_NAME:
-        return None
-    pack = sys.modules.get(type(t).__module__)
-    is_quantized = getattr(pack, "is_quantized", None)
-    return pack if callable(is_quantized) and is_quantized(t) else None
-
-
 def hang_patches(patcher, key: str, device_to, inplace_update: bool) -> bool:
     """ComfyUI-GGUF's GGUFModelPatcher.patch_weight_to_device for a quantized weight: the
     weight moves to `device_to` carrying its patches, which the pack's layer applies when it
     dequantizes. False (nothing done) for any other weight."""
     weight = comfy.utils.get_attr(patcher.model, key)
-    pack = _pack_quantized(weight)
-    if pack is None:
+    codec = codec_for(weight)
+    if not isinstance(codec, GgmlCodec) or not codec.pack.is_quantized(weight):
         return False
     out = weight.to(device_to)
-    out.patches = [(pack.move_patch_to_device(patcher.patches[key], patcher.offload_device), key)]
+    out.patches = [(codec.pack.move_patch_to_device(patcher.patches[key], patcher.offload_device), key)]
     if inplace_update:
         comfy.utils.copy_to_param(patcher.model, key, out)
     else:

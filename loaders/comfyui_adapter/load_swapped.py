@@ -106,9 +106,10 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
         source = make_source(reader, blocks, keys)
         if source is None:   # homes copied from the model's own tensors at the first attach
             reader.close()
+        else:
+            weakref.finalize(dm, source.close)
         engine = BlockSwapEngine(blocks, read_block=source.read if source else None, home=home,
                                  disk_workers=disk_workers)
-        weakref.finalize(dm, source.close if source else reader.close)
         SwapState.install(dm, engine)
         if home == "ram":
             t0 = time.perf_counter()

@@ -197,10 +197,9 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
         activation, source = 0, "no latent known"
     per_step = request.conds_per_step if request is not None else 1
     folder = patcher.lora_folder(device)   # dense folds (GGUF) hold their dense weights per landing
-    extra = (lambda i: folder.extra_bytes(i)) if folder is not None else (lambda i: 0)
     return PlanInputs(
-        block_sizes=tuple(s.layout.nbytes + extra(s.index) for s in engine.states),
-        nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes if folder is not None else 0),
+        block_sizes=tuple(s.layout.nbytes + (folder.extra_bytes(s.index) if folder else 0) for s in engine.states),
+        nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes if folder else 0),
         free_bytes=int(free_bytes), reserve_bytes=features.reserved_vram(source == MEASURED),
         activation_bytes=int(activation),
         activation_source=source, budget_bytes=int(settings.vram_budget_gb * GB),
