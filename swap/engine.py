@@ -50,6 +50,7 @@ class BlockSwapEngine:
         self.read_block = read_block
         self.home = home
         self.disk_workers = max(1, disk_workers)
+        self.read_buffers = max(2, self.disk_workers)   # one reader still reads the next block ahead
         layouts: dict[BlockLayout, BlockLayout] = {}
         self.states = []
         for i, block in enumerate(blocks):
@@ -158,7 +159,7 @@ class BlockSwapEngine:
         pinning = home.lock_early(self.pool, device, pin_memory, [i for i in plan.streamed if i in keep])
         try:
             if file_streamed or any(i not in self.pool.blocks for i in placing):
-                att.readahead = ReadAhead(self.read_block, self.disk_workers, self.block_bytes(),
+                att.readahead = ReadAhead(self.read_block, self.read_buffers, self.block_bytes(),
                                           pin=device.type == "cuda" and pin_memory != "off")
             read_back = placement.place_all(self.states, self.pool, att, placing, read_back, report)
             if pinning is not None:

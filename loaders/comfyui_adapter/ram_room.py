@@ -49,4 +49,4 @@ def split_for(engine, plan: ResidencyPlan, ram_budget_gb: float) -> RamSplit | N
         return None
     nbytes, why = room(engine, ram_budget_gb)
     sizes = tuple(s.layout.nbytes for s in engine.states)
-    return split_ram(plan, sizes, nbytes, why, engine.disk_workers)
+    return split_ram(plan, sizes, nbytes, why, engine.read_buffers)
