@@ -32,7 +32,7 @@
 # leaving 32 GB, at 24 and 12 GiB, bf16, 7,800 tokens, ~6 min), experts-64 / experts-fp8-32 (two experts,
 # home=auto, 24 GiB, bf16 with 64 GB / scaled fp8 with 32 GB, two prompts: the second's switches, ~4 min
 # each), ram-file (home=auto, bf16, 12 GiB, a ballast leaving 20 GB: the streamed blocks do not all fit
-# in RAM, so part streams from the file, held against the disk's O_DIRECT rate, ~4 min), read-probe (bench/read_probe.py: BlockReader at 1-8 workers against the disk's O_DIRECT rate,
+# in RAM, so part streams from the file, held against the disk's O_DIRECT rate; 4 readers, the Model Loader's default, ~4 min), read-probe (bench/read_probe.py: BlockReader at 1-8 workers against the disk's O_DIRECT rate,
 # 3 GB each, ~1 min with the file's write), cfg5-first (the cfg 5, 12 GiB,
 # halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps, beside ComfyUI resident: the re-plan by
 # measured rates, ~3.5 min).
@@ -121,7 +121,7 @@ for p in "$@"; do
     experts-64) compare experts_64 560 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
     experts-fp8-32) compare experts_fp8_32 240 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
                       --rams 32 --experts 2 ;;
-    ram-file) compare ram_file 240 --tokens 7800 --configs rs-auto-0.3.75@12 --rams 20 ;;
+    ram-file) compare ram_file 240 --tokens 7800 --configs rs-auto-0.3.75@12 --rams 20 --workers 4 ;;
     experts-64-cfg5) compare experts_64_cfg5 560 --tokens 7800 --cfgs 5 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
     experts-fp8-32-cfg5) compare experts_fp8_32_cfg5 400 --formats scaled_fp8 --tokens 7800 --cfgs 5 \
                            --configs rs-auto-0.3.75@24 --rams 32 --experts 2 ;;

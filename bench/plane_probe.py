@@ -48,6 +48,7 @@ def timed(fn, stream: torch.cuda.Stream, repeat: int) -> float:
 
 
 def probe(fmt: str, params: int, repeat: int, dev: torch.device) -> dict:
+    common.pack_without_comfyui()
     from ringswap.swap.plane_codec import AnsPlanes
     flat = block_bytes(fmt, params, dev)
     two_byte = fmt in ("bf16", "fp16")
