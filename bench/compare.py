@@ -88,7 +88,9 @@ def plan_cells(a) -> list[dict]:
                                       **({"ram_gb": ram} if ram else {}),
                                       **({"experts": a.experts} if getattr(a, "experts", 1) > 1 else {}),
                                       **({"lora_rank": a.lora_rank} if getattr(a, "lora_rank", 0) else {}),
-                                      **({"compile": a.compile} if getattr(a, "compile", None) else {})})
+                                      **({"compile": a.compile} if getattr(a, "compile", None) else {}),
+                                      **({"compress": a.compress} if getattr(a, "compress", "off") != "off"
+                                         and CONFIGS[name].kind in ("patch", "loader", "auto") else {})})
     if a.repeat > 1:   # whole rounds, so a drift of the machine spreads over every cell alike
         cells = [dict(c, round=r) for r in range(a.repeat) for c in cells]
     return cells
@@ -99,7 +101,7 @@ def runtime(a) -> str:
     if a.runtime != "auto":
         return a.runtime
     return "device" if os.path.exists("/tmp/site/.ringswap-stamp") and os.path.exists(
-        os.path.join(common.REPO, ".whl")) else "local"
+        os.path.join(common.REPO, os.environ.get("RINGSWAP_WHEELS_DIR", ".whl"))) else "local"
 
 
 def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
@@ -109,7 +111,7 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
     window = 2 if a.small and cell["cap_gib"] else a.window
     opts = ["--child", cell["config"], "--path", path, "--window", str(window), "--cfg", str(cell.get("cfg", 1.0)),
             *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun",
-                                    "rerun_steps", "lora_rank", "compile", "experts"])]
+                                    "rerun_steps", "lora_rank", "compile", "experts", "compress"])]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
     if runtime(a) == "device":
@@ -210,6 +212,8 @@ def main() -> None:
     ap.add_argument("--rerun-steps", type=int, default=1, help="steps of the --rerun prompt after its first")
     ap.add_argument("--disk-steps", type=int, default=1, help="the same for home=disk")
     ap.add_argument("--workers", type=int, default=8, help="disk_workers of the disk cells")
+    ap.add_argument("--compress", choices=["off", "on", "auto"], default="off",
+                    help="RingSwap's compress setting in its cells (on/auto need nvCOMP: carry .whl-nvcomp)")
     ap.add_argument("--window", type=int, default=0, help="RingSwap's window (0: auto, the configuration measured)")
     ap.add_argument("--cfgs", type=float, nargs="+", default=[1.0],
                     help="cfg of the sampling runs, one set of cells each (cfg > 1: cond + uncond a step)")

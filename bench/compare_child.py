@@ -119,7 +119,7 @@ def build(cfg: Config, a, dev: torch.device):
             from io_rates import drop_page_cache
             drop_page_cache(a.path, "auto")
         home = {"disk": "disk", "auto": "auto"}.get(cfg.kind, "ram")
-        models = [as_sampled(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto"), home=home,
+        models = [as_sampled(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto", compress=a.compress), home=home,
                                                 disk_workers=a.workers), a) for _ in range(a.experts)]
         return (models, "experts", models[0]) if a.experts > 1 else (models[0], "sample", models[0])
     stock = load_stock_gguf(a.path) if gguf else comfy.sd.load_diffusion_model(a.path)
@@ -128,7 +128,7 @@ def build(cfg: Config, a, dev: torch.device):
         return stock, "sample", stock
     if cfg.kind == "patch":
         from ringswap.nodes.patch import RingSwapPatch
-        (model,) = RingSwapPatch().patch(stock, a.window, 1, "auto")
+        (model,) = RingSwapPatch().patch(stock, a.window, 1, "auto", compress=a.compress)
         model = as_sampled(model, a)
         return model, "sample", model
     dm = stock.model.diffusion_model

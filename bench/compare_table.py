@@ -20,7 +20,8 @@ def scenario(c: dict) -> tuple:
     compiled = f" + compile {c['compile']}" if c.get("compile") else ""
     experts = f", {c['experts']} experts" if c.get("experts", 1) > 1 else ""
     ram = f", RAM {c['ram_gb']:g} GB" if c.get("ram_gb") else ""
-    return c["format"] + lora + compiled + experts + ram, c.get("cfg", 1.0), c.get("link", "full")
+    compress = f", compress {c['compress']}" if c.get("compress") else ""
+    return c["format"] + lora + compiled + experts + ram + compress, c.get("cfg", 1.0), c.get("link", "full")
 
 
 def rounds_joined(cells: list[dict]) -> list[dict]:

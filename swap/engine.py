@@ -21,7 +21,9 @@ from .layout import BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .slot_ring import Slot, SlotRing
-from .sources import FileSource, RamSource
+from .coding import Coding, coding_for
+from .plane_codec import PlaneCoder
+from .sources import CodedSource, FileSource, RamSource
 from .state import Attachment, BlockState, OnLand
 from .stats import RunStats
 
@@ -63,6 +65,8 @@ class BlockSwapEngine:
         self.read_back = (0, 0.0)     # bytes read from the file by the last attach, and its seconds
         self.orders: dict[tuple[int, ...], tuple[int, ...]] = {}   # streamed blocks -> their learned call order
         self.observer: Callable[[], None] | None = None   # called before each streamed block and model call (keep it cheap)
+        self.coder_factory: Callable[[torch.device], PlaneCoder] | None = None   # for attach(compress=True)
+        self.coding: Coding | None = None
         if read_block is not None:   # weights come from the reader: drop what the modules hold
             for st in self.states:
                 st.unbind(torch.device("cpu"))
@@ -124,7 +128,7 @@ class BlockSwapEngine:
                pin_memory: str = "auto", owner: object = None,
                on_land: OnLand | None = None,
                ram_blocks: Iterable[int] | None = None,
-               progress: Callable[[int, int], None] | None = None) -> ResidencyPlan:
+               progress: Callable[[int, int], None] | None = None, compress: bool = False) -> ResidencyPlan:
         """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` runs on the compute stream right after a block's weights
         land on the device and before it computes (e.g. to fold LoRA deltas in place); it may
@@ -134,7 +138,8 @@ class BlockSwapEngine:
         hold in RAM, see `ram_homes`. `progress(done_bytes, total_bytes)` follows what is
         read from the file (homes, resident blocks without one). Attaching again with the
         same settings keeps everything and only takes `owner`. A resident block still on the
-        device (kept by `reattach`) is not placed again."""
+        device (kept by `reattach`) is not placed again. `compress`: the streamed blocks' RAM
+        homes are kept coded (needs `coder_factory`; swap/coding.py)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -144,8 +149,9 @@ class BlockSwapEngine:
             raise ValueError(f"the plan is for {plan.num_blocks} blocks, the engine has {self.num_blocks}")
         keep = self.ram_homes(plan, ram_blocks)
         if self.att is not None:
-            if (self.att.device, self.att.plan, self.att.pin_memory, self.att.on_land, self.att.ram_homes) == \
-                    (device, plan, pin_memory, on_land, keep):
+            a = self.att
+            if (a.device, a.plan, a.pin_memory, a.on_land, a.ram_homes, a.compress) == \
+                    (device, plan, pin_memory, on_land, keep, compress):
                 self.att.owner = owner
                 return plan
             self.detach()
@@ -156,12 +162,16 @@ class BlockSwapEngine:
         read_back = self._ensure_home(keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
         att = Attachment(device, plan, "", pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
+        att.compress = compress
+        if compress:
+            self.coding = coding_for(self.coding, self.coder_factory, device)
+            self.coding.code_homes(self.states, self.pool, [i for i in plan.streamed if i in keep])
         pinning = home.lock_early(self.pool, device, pin_memory, [i for i in plan.streamed if i in keep])
         try:
-            if file_streamed or any(i not in self.pool.blocks for i in placing):
+            if file_streamed or any(not self.pool.has(i) for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.read_buffers, self.block_bytes(),
                                           pin=device.type == "cuda" and pin_memory != "off")
-            read_back = placement.place_all(self.states, self.pool, att, placing, read_back, report)
+            read_back = placement.place_all(self.states, self.pool, att, placing, read_back, report, self.coding)
             if pinning is not None:
                 pinning.join()
             home.settle(self.home, self.states, self.pool, att)
@@ -194,6 +204,9 @@ class BlockSwapEngine:
         att.ram = RamSource(self, att)
         if att.readahead is not None:
             att.file = FileSource(self, att, att.ring)
+        if any(i in self.pool.coded for i in plan.streamed):
+            self.coding.make_scratch(self.pool, plan.streamed)
+            att.coded = CodedSource(self, att)
         for i in plan.streamed:
             self.states[i].unbind(device)
         att.hooks = BlockHooks([s.block for s in self.states], list(plan.streamed),
@@ -231,6 +244,8 @@ class BlockSwapEngine:
                     s.unbind(torch.device("cpu"))
             if att.ring is not None:
                 att.ring.release()
+            if self.coding is not None:
+                self.coding.release()
             if self.home == "auto" and unpin:   # a model not on the device holds no pinned memory
                 self.pool.unpin_all()
             self.att = None
@@ -250,7 +265,8 @@ class BlockSwapEngine:
         slot.landed, slot.replaced = False, None
         att.stats.copies += 1
         att.stats.bytes_copied += self.states[block].layout.nbytes
-        (att.ram if block in self.pool.blocks else att.file).start(block, slot)
+        source = att.coded if block in self.pool.coded else att.ram if block in self.pool.blocks else att.file
+        source.start(block, slot)
 
     def _before_block(self, block: int) -> None:
         att = self.att
@@ -350,7 +366,8 @@ class BlockSwapEngine:
         stats = self._close_stats()
         device, pin_memory, owner, on_land = att.device, att.pin_memory, att.owner, att.on_land
         self._detach(frozenset(att.plan.resident) & frozenset(plan.resident), unpin=False)
-        self.attach(device, plan, pin_memory, owner, on_land, att.ram_homes if ram_blocks is None else ram_blocks)
+        self.attach(device, plan, pin_memory, owner, on_land, att.ram_homes if ram_blocks is None else ram_blocks,
+                    compress=att.compress)
         self.att.stats = stats.continued(self.att.stats, after_oom)
         return plan
 

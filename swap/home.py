@@ -24,7 +24,7 @@ def read_progress(states: list, pool: HostPool, blocks: set[int],
                   progress: Callable[[int, int], None] | None) -> Callable[[int, int], None] | None:
     """progress(done, total) over the bytes of those `blocks` without a home (what an attach
     reads from the file), to be fed the bytes done so far; None when nothing is to be read."""
-    total = sum(states[i].layout.nbytes for i in blocks if i not in pool.blocks)
+    total = sum(states[i].layout.nbytes for i in blocks if not pool.has(i))
     return (lambda done, _: progress(done, total)) if progress is not None and total else None
 
 
@@ -32,7 +32,7 @@ def fill(states: list, pool: HostPool, read_block: Callable, progress: Callable[
     """Read every block of `states` without a home into a new one; calls progress(done, total) and
     returns the bytes read. On failure the reads in flight are cancelled or drained and
     the exception re-raised (the caller frees the homes)."""
-    todo = [s for s in states if s.index not in pool.blocks]
+    todo = [s for s in states if not pool.has(s.index)]
     total = sum(s.layout.nbytes for s in todo)
     futures = []
     try:
@@ -63,7 +63,7 @@ def read_homes(states: list, pool: HostPool, read_block: Callable,
                progress: Callable[[int, int], None] | None = None) -> int:
     """Read those of `states` without a home into new ones (parallel reads); returns the
     bytes read. On failure the homes it made are freed and the error re-raised."""
-    todo = [s for s in states if s.index not in pool.blocks]
+    todo = [s for s in states if not pool.has(s.index)]
     if not todo:
         return 0
     try:
@@ -77,7 +77,7 @@ def read_homes(states: list, pool: HostPool, read_block: Callable,
 def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int]) -> threading.Thread | None:
     """Page-lock the streamed blocks' RAM homes on a thread of its own while the resident
     blocks are placed (an expert switch reads and pins at once); `settle` pins what is left."""
-    todo = [i for i in streamed if i in pool.blocks and not pool.blocks[i].pinned]
+    todo = [i for i in streamed if pool.has(i) and not pool.buffer(i).pinned]
     if device.type != "cuda" or pin_memory == "off" or not todo:
         return None
     t = threading.Thread(target=pool.lock, args=(todo,), name="ringswap-pin", daemon=True)
@@ -91,6 +91,8 @@ def capture(states: list, pool: HostPool) -> None:
     moved the shared model)."""
     maps = FileMaps()   # a model mapped from its file: give back each block's pages once copied
     for s in states:
+        if s.index in pool.coded:   # kept coded: its weights are not in the module
+            continue
         buf = pool.blocks.get(s.index)
         current = s.binding.current()
         if buf is not None and current[0].data_ptr() == buf.flat.data_ptr():
@@ -109,7 +111,7 @@ def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nb
     with PinnedChunks() as chunks:
         for i in resident:
             s = states[i]
-            if s.device_buffer is None or i in pool.blocks or done + s.layout.nbytes > nbytes:
+            if s.device_buffer is None or pool.has(i) or done + s.layout.nbytes > nbytes:
                 continue
             try:
                 buf = pool.add(i, s.layout.nbytes)
@@ -133,7 +135,7 @@ def settle(kind: str, states: list, pool: HostPool, att) -> None:
     att.memory = "disk" if kind == "disk" or (file_streamed and not from_ram) else \
         copy_memory(states, pool, att.device, from_ram, att.pin_memory)
     if kind == "auto":
-        for i in list(pool.blocks):
+        for i in set(pool.blocks) | set(pool.coded):
             if i not in keep:
                 pool.drop(i)
         if not file_streamed and att.readahead is not None:

@@ -173,11 +173,24 @@ def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 class HostPool:
-    """The home of every block: one exact-size host buffer per block."""
+    """The home of every block: one exact-size host buffer per block (`blocks`), or its coded
+    bytes (`coded`, swap/plane_codec.CodedBlock) where the block is kept coded."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, HostBuffer] = {}
+        self.coded: dict = {}   # block -> CodedBlock
         self.pin_rate = (0, 0.0)   # (bytes page-locked so far, the seconds that took): the rate
+
+    def has(self, index: int) -> bool:
+        """The block has a home in RAM (raw or coded)."""
+        return index in self.blocks or index in self.coded
+
+    def buffer(self, index: int) -> HostBuffer:
+        coded = self.coded.get(index)
+        return coded.home if coded is not None else self.blocks[index]
+
+    def _all(self) -> list[tuple[int, HostBuffer]]:
+        return list(self.blocks.items()) + [(i, c.home) for i, c in self.coded.items()]
 
     def add(self, index: int, nbytes: int) -> HostBuffer:
         buf = HostBuffer(nbytes)
@@ -185,16 +198,16 @@ class HostPool:
         return buf
 
     def drop(self, index: int) -> None:
-        """Free one block's home (unpinned first; no copy from it may be in flight)."""
-        buf = self.blocks.pop(index, None)
-        if buf is not None:
-            buf.unpin()
+        """Free one block's home, raw and coded (unpinned first; no copy from it may be in flight)."""
+        for buf in (self.blocks.pop(index, None), getattr(self.coded.pop(index, None), "home", None)):
+            if buf is not None:
+                buf.unpin()
 
     def pin(self, indices: list[int]) -> bool:
         """Pin exactly these blocks (unpinning the others). False if any pin failed:
         then nothing stays pinned and the caller falls back to staging."""
         wanted = set(indices)
-        for i, buf in self.blocks.items():
+        for i, buf in self._all():
             if i not in wanted:
                 buf.unpin()
         if not self.lock(indices):
@@ -205,7 +218,7 @@ class HostPool:
     def lock(self, indices: list[int]) -> bool:
         """Page-lock these blocks' homes where not yet, leaving the others as they are; stops
         at the first that fails (False). May run on another thread than the block copies."""
-        todo = [self.blocks[i] for i in indices if not self.blocks[i].pinned]
+        todo = [self.buffer(i) for i in indices if not self.buffer(i).pinned]
         t0 = time.perf_counter()
         done = 0
         try:
@@ -225,17 +238,18 @@ class HostPool:
         return nbytes * secs / done if done and secs > 0 else nbytes / PIN_GUESS
 
     def unpin_all(self) -> None:
-        for buf in self.blocks.values():
+        for _, buf in self._all():
             buf.unpin()
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks.values())
+        return sum(b.nbytes for _, b in self._all())
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(b.locked_bytes for b in self.blocks.values())
+        return sum(b.locked_bytes for _, b in self._all())
 
     def release(self) -> None:
         self.unpin_all()
         self.blocks.clear()
+        self.coded.clear()

@@ -1,22 +1,25 @@
-"""Lossless byte-plane coding of a block's bytes for the link (issue "Fewer bytes, same bits").
+"""Lossless byte-plane coding of a block's bytes for RAM and the link (issue "Fewer bytes, same bits").
 
-A bf16/fp16 weight's high byte (sign and exponent) is highly predictable in trained and
-N(0, s)-initialised weights, its low byte (mantissa) is not. A block's flat bytes are read as
-little-endian 16-bit words and split into the plane of high bytes and the plane of low bytes;
-the high plane is entropy-coded with nvCOMP's ANS on the GPU, the low plane travels raw. Both
-split and join are plain torch ops (bit-exact on any device); only the ANS coder needs CUDA and
-the optional `nvidia-nvcomp-cu12`/`-cu13` package. Written here because no library splits
-float planes for a GPU entropy coder; nvCOMP does the coding.
-
-Not used by the engine yet: bench/plane_probe.py measures ratio and speed with it first.
+A bf16/fp16 weight's high byte (sign and exponent) is highly predictable, its low byte is not.
+A block's flat bytes are cut into parts, each read as little-endian 16-bit words and split into
+a plane of high bytes, entropy-coded by a `PlaneCoder` (nvCOMP's ANS on the GPU: `AnsPlanes`),
+and a plane of low bytes kept raw. Decoding copies each part's coded bytes into a small device
+scratch, decodes and re-interleaves them into the slot: plain torch ops plus the coder, enqueued
+on one stream with no host sync. Written here because no library splits float planes for a GPU
+entropy coder; nvCOMP does the coding.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from .host_pool import HostBuffer
+
 NVCOMP_PACKAGES = "nvidia-nvcomp-cu13 (torch built for CUDA 13) or nvidia-nvcomp-cu12 (CUDA 12)"
+PART_BYTES = 64 << 20    # a part's raw bytes: the device scratch is ~1.5 parts, not a block
+PAYS_RATIO = 0.9         # a block coded to more than this of its bytes stays raw
 
 
 def split_planes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +40,66 @@ def join_planes(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> tor
     return out
 
 
+class PlaneCoder(Protocol):
+    """Codes high-byte planes on the device they live on. `stream`: where its work is enqueued
+    (None on the CPU). `decode` must not synchronise the host."""
+    stream: "torch.cuda.Stream | None"
+
+    def encode(self, high: torch.Tensor) -> torch.Tensor: ...            # coded bytes (uint8), same device
+
+    def decode(self, coded: torch.Tensor, out: torch.Tensor) -> None: ...  # into `out` (uint8)
+
+
+@dataclass
+class CodedBlock:
+    """A block's bytes as they wait in RAM and cross the link: per part its coded high plane
+    then its raw low plane, back to back in one host buffer. `parts`: (offset in the block,
+    the part's bytes, offset in `home`, coded high bytes)."""
+    home: HostBuffer
+    parts: tuple[tuple[int, int, int, int], ...]
+    nbytes: int
+
+    @property
+    def coded_bytes(self) -> int:
+        return self.home.nbytes
+
+    def scratch_bytes(self) -> int:
+        """Device scratch a decode needs: the largest part's coded bytes plus its decoded high plane."""
+        return max(c + n // 2 + n // 2 for _, n, _, c in self.parts)
+
+
+def codable(nbytes: int) -> bool:
+    return nbytes > 0 and nbytes % 2 == 0
+
+
+def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_BYTES) -> CodedBlock:
+    """Code a block's bytes (uint8 on the coder's device) into a new pageable host buffer."""
+    n, pieces = flat.numel(), []
+    for off in range(0, n, part_bytes):
+        high, low = split_planes(flat[off:off + part_bytes])
+        pieces.append((off, 2 * low.numel(), coder.encode(high), low))
+    home = HostBuffer(sum(c.numel() + low.numel() for _, _, c, low in pieces))
+    parts, pos = [], 0
+    for off, size, coded, low in pieces:
+        home.flat[pos:pos + coded.numel()].copy_(coded)
+        home.flat[pos + coded.numel():pos + coded.numel() + low.numel()].copy_(low)
+        parts.append((off, size, pos, coded.numel()))
+        pos += coded.numel() + low.numel()
+    return CodedBlock(home, tuple(parts), n)
+
+
+def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, out: torch.Tensor) -> None:
+    """Enqueue, on the current stream, each part's copy into `scratch` (device uint8 of at least
+    `block.scratch_bytes()`), its decode and its re-interleave into `out` (the block's bytes)."""
+    for off, size, pos, c in block.parts:
+        half = size // 2
+        landed = scratch[:c + half]
+        landed.copy_(block.home.flat[pos:pos + c + half], non_blocking=True)
+        high = scratch[c + half:c + 2 * half]
+        coder.decode(landed[:c], high)
+        join_planes(high, landed[c:], out[off:off + size])
+
+
 def nvcomp_module():
     """nvidia.nvcomp, or ImportError naming the package to install."""
     try:
@@ -47,21 +110,9 @@ def nvcomp_module():
     return nvcomp
 
 
-@dataclass
-class CodedBlock:
-    """A block's bytes as they wait in RAM and cross the link: the coded high plane and the
-    raw low plane (host tensors), and the decoded size."""
-    high: torch.Tensor
-    low: torch.Tensor
-    nbytes: int
-
-    @property
-    def coded_bytes(self) -> int:
-        return self.high.numel() + self.low.numel()
-
-
 class AnsPlanes:
-    """Codes blocks' high planes with nvCOMP's ANS on one CUDA stream."""
+    """nvCOMP's ANS on one CUDA stream of its own. Each part size gets a compression config and
+    the decompression config built from it, so a decode never reads a header back to the host."""
 
     def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None):
         self.nvcomp = nvcomp_module()
@@ -69,23 +120,25 @@ class AnsPlanes:
         self.stream = stream or torch.cuda.Stream(self.device)
         self.codec = self.nvcomp.Codec(algorithm="ANS", device_id=self.device.index or 0,
                                        cuda_stream=self.stream.cuda_stream, data_type="|u1")
+        self._configs: dict[int, tuple] = {}
 
-    def encode(self, flat: torch.Tensor) -> CodedBlock:
-        """Code a block's bytes (a CUDA uint8 tensor) into host tensors."""
-        high, low = split_planes(flat)
+    def _config(self, nbytes: int) -> tuple:
+        cfg = self._configs.get(nbytes)
+        if cfg is None:
+            comp = self.codec.compression_config(nbytes)
+            cfg = self._configs[nbytes] = (comp, self.codec.decompression_config(comp))
+        return cfg
+
+    def _array(self, t: torch.Tensor):
+        return self.nvcomp.as_array(t, cuda_stream=self.stream.cuda_stream)
+
+    def encode(self, high: torch.Tensor) -> torch.Tensor:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            coded = self.codec.encode(self.nvcomp.as_array(high, cuda_stream=self.stream.cuda_stream))
-            coded_t = torch.as_tensor(coded, device=self.device).view(torch.uint8).reshape(-1).clone()
+            coded = self.codec.encode(self._array(high), compression_config=self._config(high.numel())[0])
+            out = torch.as_tensor(coded, device=self.device).view(torch.uint8).reshape(-1).clone()
         self.stream.synchronize()
-        return CodedBlock(coded_t.cpu(), low.cpu(), flat.numel())
-
-    def decode(self, coded_high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Decode a block landed on the device (its coded high plane and raw low plane, CUDA
-        tensors) into `out` (CUDA uint8, the block's size), on this coder's stream."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            high = torch.empty(out.numel() // 2, dtype=torch.uint8, device=self.device)
-            self.codec.decode(self.nvcomp.as_array(coded_high, cuda_stream=self.stream.cuda_stream), out=high)
-            join_planes(high, low, out)
         return out
+
+    def decode(self, coded: torch.Tensor, out: torch.Tensor) -> None:
+        self.codec.decode(self._array(coded), out=out, decompression_config=self._config(out.numel())[1])

@@ -1,4 +1,4 @@
-"""Where a streamed block's bytes come from each time it lands: its home in RAM, or the file.
+"""Where a streamed block's bytes come from each time it lands: its home in RAM (raw or coded), or the file.
 
 The block loop asks a block's source to start filling a ring slot (`start`) and, before
 the block runs, to have its bytes landed (`finish`). Which source a block has follows from
@@ -31,6 +31,20 @@ class RamSource:
             src = staged
         slot.reading = False
         slot.ready = self.att.copier.copy(slot.flat[:nbytes], src, slot.free, late=slot.staging is not None)
+
+
+class CodedSource:
+    """Blocks with a coded home (swap/coding.py): the coded bytes cross the link into the
+    coder's scratch and are decoded into the slot, on the coder's stream."""
+
+    def __init__(self, engine, att):
+        self.engine, self.att = engine, att
+
+    def start(self, block: int, slot: Slot) -> None:
+        coding, coded = self.engine.coding, self.engine.pool.coded[block]
+        slot.reading = False
+        slot.ready = self.att.copier.enqueue(lambda: coding.decode(coded, slot.flat[:coded.nbytes]), slot.free,
+                                             stream=coding.coder.stream)
 
 
 class FileSource:
@@ -81,8 +95,8 @@ class FileSource:
                 self.finish(slot, wait=False)
         if not read_on:
             return
-        owners, pool = set(self.ring.owners()), self.engine.pool.blocks
-        for b in islice((b for b in self.att.upcoming() if b not in pool), len(self.readahead.staging)):
+        owners, pool = set(self.ring.owners()), self.engine.pool
+        for b in islice((b for b in self.att.upcoming() if not pool.has(b)), len(self.readahead.staging)):
             if b in owners or self.readahead.pending(b) is not None:
                 continue
             if self.readahead.request(b, self.engine.states[b].layout.nbytes) is None:

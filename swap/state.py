@@ -18,7 +18,7 @@ from .layout import BlockBinding, BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead
 from .slot_ring import Slot, SlotRing
-from .sources import FileSource, RamSource
+from .sources import CodedSource, FileSource, RamSource
 from .stats import RunStats
 from .transfer import CopyStream
 
@@ -64,6 +64,8 @@ class Attachment:
         self.readahead: ReadAhead | None = None
         self.ram: RamSource | None = None      # sources of the streamed blocks (swap/sources.py)
         self.file: FileSource | None = None
+        self.coded: CodedSource | None = None
+        self.compress = False       # streamed RAM homes are kept coded (swap/coding.py)
         self.hooks: BlockHooks | None = None
         self.order = CallOrder(plan.streamed, learned)
         self.stats = self.new_stats()

@@ -87,30 +87,41 @@ class CopyStream:
         self._lands = Timings(total=False)    # sampled on-land (LoRA fold) times
         self._calls = Timings(total=False)    # each model call on the compute stream
         self._call_start = None
-        self._last_copy = None                # the copy stream's latest end event
+        self._last_copy: dict = {}            # each stream's latest end event (copy stream, coder's)
+        self._streams = {self.stream} if self.cuda else set()
         self._landings = 0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None", late: bool = False):
         """Copy src into dst once `after` has happened; returns the event of completion.
         `late`: the host issues this copy after its own work (a staged copy or a read), so it
         is timed from a start event of its own, not from what the stream did before."""
+        return self.enqueue(lambda: dst.copy_(src, non_blocking=True), after, late)
+
+    def enqueue(self, work, after: "torch.cuda.Event | None", late: bool = False,
+                stream: "torch.cuda.Stream | None" = None):
+        """Run `work()` (copies, and for a coded block its decode) on the copy stream, or on
+        `stream` (a coder's own), once `after` has happened; returns its completion event, timed
+        like a copy (from the stream's previous work there)."""
         if not self.cuda:
             t0 = time.perf_counter()
-            dst.copy_(src)
+            work()
             self._copies.add((time.perf_counter() - t0,))
             return None
-        with torch.cuda.stream(self.stream):
+        stream = stream or self.stream
+        self._streams.add(stream)
+        last = self._last_copy.get(stream)
+        with torch.cuda.stream(stream):
             start = None
             if after is not None:
-                self.stream.wait_event(after)
-            if late or (after is None and self._last_copy is None):   # nothing to time it from
+                stream.wait_event(after)
+            if late or (after is None and last is None):   # nothing to time it from
                 start = _timing_event()
-                start.record(self.stream)
-            dst.copy_(src, non_blocking=True)
+                start.record(stream)
+            work()
             done = _timing_event()
-            done.record(self.stream)
-        self._copies.add((done, start) if start is not None else (done, self._last_copy, after))
-        self._last_copy = done
+            done.record(stream)
+        self._copies.add((done, start) if start is not None else (done, last, after))
+        self._last_copy[stream] = done
         return done
 
     def compute_wait(self, ready: "torch.cuda.Event | None") -> "torch.cuda.Event | None":
@@ -168,7 +179,8 @@ class CopyStream:
 
     def synchronize(self) -> None:
         if self.cuda:
-            self.stream.synchronize()
+            for stream in self._streams:
+                stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
     def take_times(self) -> tuple[float, float, list[float], list[float]]:
@@ -179,5 +191,6 @@ class CopyStream:
         copy_s = self._copies.take()
         wait_s = self._waits.take() if self.cuda else copy_s
         lands, calls = self._lands.take(), self._calls.take()
-        self._call_start = self._last_copy = None
+        self._call_start = None
+        self._last_copy = {}
         return copy_s, wait_s, lands, calls

@@ -29,7 +29,7 @@ def block_map(engine: BlockSwapEngine) -> str:
     att = engine.att
     if att is None:
         return ""
-    codes = ["H" if i in engine.pool.blocks else "D" for i in range(engine.num_blocks)]
+    codes = ["H" if engine.pool.has(i) else "D" for i in range(engine.num_blocks)]
     for i in att.plan.resident:
         codes[i] = "G"
     for slot in att.ring.slots if att.ring is not None else ():

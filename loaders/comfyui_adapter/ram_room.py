@@ -48,5 +48,13 @@ def split_for(engine, plan: ResidencyPlan, ram_budget_gb: float) -> RamSplit | N
     if engine.home != "auto":
         return None
     nbytes, why = room(engine, ram_budget_gb)
-    sizes = tuple(s.layout.nbytes for s in engine.states)
-    return split_ram(plan, sizes, nbytes, why, engine.read_buffers)
+    return split_ram(plan, home_sizes(engine), nbytes, why, engine.read_buffers)
+
+
+def home_sizes(engine) -> tuple[int, ...]:
+    """Each block's bytes in RAM: its coded bytes where it is kept coded; where blocks of this
+    model were coded before, the others at the ratio they got (they will be coded too)."""
+    coding, coded = engine.coding, engine.pool.coded
+    ratio = coding.ratio if coding is not None and coding.pays else 1.0
+    return tuple(coded[i].coded_bytes if i in coded else int(s.layout.nbytes * ratio)
+                 for i, s in enumerate(engine.states))

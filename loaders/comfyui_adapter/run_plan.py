@@ -26,7 +26,7 @@ from ...swap.plan import ResidencyPlan
 from ...swap.planner import PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
 from ...swap.recovery import run_call
 from . import comfy_features as features
-from . import live_feed, ram_room
+from . import compress_choice, live_feed, ram_room
 from .run_state import swap_state_on
 
 log = logging.getLogger("ringswap.run_plan")
@@ -199,7 +199,8 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
     folder = patcher.lora_folder(device)   # dense folds (GGUF) hold their dense weights per landing
     return PlanInputs(
         block_sizes=tuple(s.layout.nbytes + (folder.extra_bytes(s.index) if folder else 0) for s in engine.states),
-        nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes if folder else 0),
+        nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes if folder else 0)
+        + compress_choice.scratch_bytes(settings.compress, device),
         free_bytes=int(free_bytes), reserve_bytes=features.reserved_vram(source == MEASURED),
         activation_bytes=int(activation),
         activation_source=source, budget_bytes=int(settings.vram_budget_gb * GB),
@@ -309,10 +310,10 @@ def place_seconds(engine, residency: ResidencyPlan, ram_blocks, link_bytes_per_s
     on_device = set(engine.att.plan.resident) if engine.att is not None else set()
     placing = set(residency.resident) - on_device
     homes = engine.ram_homes(residency, ram_blocks)
-    size, pool = [s.layout.nbytes for s in engine.states], engine.pool.blocks
-    from_file = sum(size[i] for i in placing | homes if i not in pool)
-    from_ram = sum(size[i] for i in placing if i in pool)
-    to_pin = sum(size[i] for i in homes & set(residency.streamed) if i not in pool or not pool[i].pinned) \
+    size, pool = [s.layout.nbytes for s in engine.states], engine.pool
+    from_file = sum(size[i] for i in placing | homes if not pool.has(i))
+    from_ram = sum(size[i] for i in placing if pool.has(i))
+    to_pin = sum(size[i] for i in homes & set(residency.streamed) if not pool.has(i) or not pool.buffer(i).pinned) \
         if engine.memory == "pinned" else 0
     return from_file / disk + from_ram / link_bytes_per_s + engine.pool.pin_seconds(to_pin)
 

@@ -26,7 +26,7 @@ from ...swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ...swap.host_pool import set_pin_budget
 from ...swap.planner import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
-from . import gguf_tensors, live_feed, ram_room, run_plan
+from . import compress_choice, gguf_tensors, live_feed, ram_room, run_plan
 from .run_state import RunState
 from .swap_state import SwapState
 
@@ -43,6 +43,7 @@ class SwapSettings:
     pin_memory: str = "auto"
     vram_budget_gb: float = 0.0   # VRAM this model may use in all (weights + activations); 0 = what is free
     ram_budget_gb: float = 0.0    # home=auto: host RAM for block homes; 0 = what is available (loaders/comfyui_adapter/ram_room.py)
+    compress: str = "auto"        # streamed RAM homes kept coded (loaders/comfyui_adapter/compress_choice.py)
 
     def __post_init__(self):
         if self.window < 0:
@@ -55,6 +56,8 @@ class SwapSettings:
             raise ValueError(f"RingSwap: ram_budget_gb must be 0 (what is available) or more, got {self.ram_budget_gb}")
         if self.pin_memory not in PIN_MODES:
             raise ValueError(f"RingSwap: pin_memory must be one of {PIN_MODES}, got {self.pin_memory!r}")
+        if self.compress not in compress_choice.COMPRESS_MODES:
+            raise ValueError(f"RingSwap: compress must be one of {compress_choice.COMPRESS_MODES}, got {self.compress!r}")
 
 
 class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
@@ -152,10 +155,15 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         plan = run_plan.plan_for_load(self, device, full_load)
         run.plan = plan
         split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
+        ram_blocks = split.ram_blocks if split is not None else None
+        compress, why = compress_choice.choose(self.ringswap.compress, device, plan, split,
+                                               bool(set(engine.ram_homes(plan.residency, ram_blocks))),
+                                               own_load=engine.read_block is not None)
+        if compress:
+            engine.coder_factory = compress_choice.coder_factory
         engine.attach(device, plan.residency, self.ringswap.pin_memory,
-                      owner=weakref.ref(self), on_land=self.lora_folder(device),
-                      ram_blocks=split.ram_blocks if split is not None else None,
-                      progress=live_feed.progress_bar())
+                      owner=weakref.ref(self), on_land=self.lora_folder(device), ram_blocks=ram_blocks,
+                      progress=live_feed.progress_bar(), compress=compress)
         live_feed.observe(engine, self.ringswap_node)
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
@@ -169,8 +177,10 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         read, read_s = engine.read_back
         folder = self.lora_folder(device)
         dense = max((folder.extra_bytes(i) for i in range(engine.num_blocks)), default=0) if folder else 0
-        log.info("%s; %s memory, %.2f GB at home%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
+        coding = compress_choice.line(engine, why, plan.residency.streamed, plan.inputs.calls_per_step)
+        log.info("%s; %s memory, %.2f GB at home%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
                  engine.pool.nbytes / 1e9, f"; {split.line()}" if split is not None else "",
+                 f"; {coding}" if coding else "",
                  f"; LoRA on GGUF: {dense / 1e9:.2f} GB of dense weights a block on the device (planned)"
                  if dense else "", time.perf_counter() - t0,
                  f" (read {read / 1e9:.2f} GB from the file in {read_s:.2f} s)" if read else "",

@@ -12,10 +12,13 @@ BLOCKS = 8
 
 
 @pytest.fixture(scope="module")
-def stock(tmp_path_factory):
-    path = tiny_wan(str(tmp_path_factory.mktemp("wan")), blocks=BLOCKS, dim=512, ffn_dim=2048,
-                    dtype=torch.bfloat16)
-    return load_stock(path)
+def wan_file(tmp_path_factory):
+    return tiny_wan(str(tmp_path_factory.mktemp("wan")), blocks=BLOCKS, dim=512, ffn_dim=2048, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def stock(wan_file):
+    return load_stock(wan_file)
 
 
 def patched(model, window, prefetch, pin="auto"):
@@ -89,3 +92,29 @@ def test_peak_vram_bound(stock):
     bound = nonblock + (2 + 1) * engine.block_bytes() + activations
     assert swapped_peak <= 1.1 * bound, (swapped_peak, bound, resident_peak)
     assert swapped_peak < resident_peak
+
+
+def test_compressed_homes_are_bit_exact_on_cuda(stock, wan_file, caplog):
+    """compress=on with nvCOMP (RingSwap Model Loader, homes ram and auto): the streamed blocks'
+    homes are coded, each landing decoded on the GPU; outputs bit-identical to the stock model at
+    every window and prefetch; the plan line gives the ratio and the GB saved."""
+    from ringswap.loaders.comfyui_adapter import compress_choice
+    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
+    if compress_choice.nvcomp_missing():
+        pytest.skip("needs nvCOMP (scripts/prepare_nvcomp_wheels.sh)")
+    x = [inputs(seed=s, frames=3, size=16) for s in range(2)]
+    ref = [forward(stock, *xi) for xi in x]
+    comfy.model_management.unload_all_models()
+    for home in ("ram", "auto"):
+        for prefetch in (0, 1, 2):
+            for window in (1, 3, BLOCKS - prefetch - 1):
+                model = load_swapped_model(wan_file, SwapSettings(window, prefetch, compress="on"), home=home)
+                with caplog.at_level("INFO", logger="ringswap.patcher"):
+                    for _ in range(2):
+                        for k, xi in enumerate(x):
+                            assert torch.equal(forward(model, *xi), ref[k]), (home, window, prefetch, k)
+                engine = model.swap_engine
+                assert set(engine.plan.streamed) <= set(engine.pool.coded) and engine.memory == "pinned"
+                assert "compress on: " in caplog.text and "blocks coded to 0." in caplog.text
+                comfy.model_management.unload_all_models()

@@ -223,3 +223,26 @@ def test_a_tensor_class_ringswap_cannot_move_is_refused_by_name(tmp_path):
     assert getattr(stock.model.diffusion_model, "ringswap_state", None) is None
     lin.weight = torch.nn.Parameter(lin.weight.data.as_subclass(torch.Tensor), requires_grad=False)
     assert torch.equal(forward(stock, *inputs(seed=0)), want)
+
+
+def test_compress_on_without_cuda_or_nvcomp_is_a_clear_error_and_auto_is_off(reference, caplog):
+    """compress=on where it cannot code (no CUDA, no nvCOMP, or a stock MODEL whose blocks its loader
+    shares) names why at load and leaves the model unloaded; auto there is off (exact, no coded
+    homes) with one log line; a bad value is refused."""
+    from ringswap.loaders.comfyui_adapter import compress_choice
+    stock, ref_outs, _ = reference
+    with pytest.raises(ValueError, match="compress must be one of"):
+        RingSwapPatch().patch(stock, 2, 1, "auto", compress="sometimes")
+    (model,) = RingSwapPatch().patch(stock, 2, 1, "auto", compress="on")
+    want = ("no CUDA device" if not torch.cuda.is_available() else "nvidia-nvcomp-cu13"
+            if compress_choice.nvcomp_missing() else "shared with the node that loaded it")
+    with pytest.raises(RuntimeError, match=want):   # a stock MODEL's blocks are never coded
+        forward(model, *inputs(seed=0))
+    assert model.swap_engine.att is None and not model.swap_engine.pool.coded
+    compress_choice._said.clear()
+    (model,) = RingSwapPatch().patch(stock, 2, 1, "auto", compress="auto")
+    with caplog.at_level(logging.INFO, logger="ringswap.compress"):
+        assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
+        assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
+    assert caplog.text.count("RingSwap compress auto: off") == 1
+    assert not model.swap_engine.pool.coded

@@ -3,7 +3,7 @@ with CUDA and nvCOMP, a block coded and decoded on the GPU is itself bit for bit
 import pytest
 import torch
 
-from ringswap.swap.plane_codec import join_planes, nvcomp_module, split_planes
+from ringswap.swap.plane_codec import decode_block, encode_block, join_planes, nvcomp_module, split_planes
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -26,21 +26,67 @@ def test_odd_bytes_and_missing_package_are_named():
         assert "nvidia-nvcomp-cu13" in str(e) and "pip install" in str(e)
 
 
-@pytest.mark.gpu
-def test_ans_planes_round_trip_on_cuda():
+def _cuda_nvcomp():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     try:
         nvcomp_module()
     except ImportError:
         pytest.skip("needs nvCOMP (scripts/prepare_nvcomp_wheels.sh)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def test_blocks_code_in_parts_and_decode_bit_exact_on_the_cpu():
+    """encode_block / decode_block with a real (zlib) coder: parts, layout, the bytes back."""
+    from zlib_planes import ZlibPlanes
+    flat = (torch.randn(5000) * 0.02).bfloat16().view(torch.uint8)
+    coder = ZlibPlanes()
+    block = encode_block(coder, flat, part_bytes=4096)
+    assert [p[1] for p in block.parts] == [4096, 4096, 1808]
+    assert block.coded_bytes < 0.8 * flat.numel()
+    out = torch.empty_like(flat)
+    decode_block(coder, block, torch.empty(block.scratch_bytes(), dtype=torch.uint8), out)
+    assert torch.equal(out, flat) and coder.decodes == 3
+
+
+@pytest.mark.gpu
+def test_ans_planes_round_trip_on_cuda():
+    dev = _cuda_nvcomp()
     from ringswap.swap.plane_codec import AnsPlanes
-    dev = torch.device("cuda", torch.cuda.current_device())
     flat = (torch.randn(3 << 20, device=dev) * 0.02).bfloat16().view(torch.uint8)
     planes = AnsPlanes(dev)
-    coded = planes.encode(flat)
-    assert coded.coded_bytes < 0.8 * flat.numel()
-    out = torch.empty_like(flat)
-    planes.decode(coded.high.to(dev), coded.low.to(dev), out)
+    block = encode_block(planes, flat, part_bytes=1 << 20)   # 6 parts, two part sizes share configs
+    assert block.coded_bytes < 0.8 * flat.numel() and len(block.parts) == 6
+    block.home.pin()
+    out = torch.zeros_like(flat)
+    scratch = torch.empty(block.scratch_bytes(), dtype=torch.uint8, device=dev)
+    with torch.cuda.stream(planes.stream):
+        decode_block(planes, block, scratch, out)
     planes.stream.synchronize()
     assert torch.equal(out, flat)
+
+
+@pytest.mark.gpu
+def test_engine_streams_coded_blocks_bit_exact_on_cuda():
+    """The engine with nvCOMP-coded homes on CUDA: every window and prefetch bit-exact, pinned."""
+    dev = _cuda_nvcomp()
+    from ringswap.swap import BlockSwapEngine, ResidencyPlan
+    from ringswap.swap.plane_codec import AnsPlanes
+    from toy_blocks import run
+    N = 5
+    torch.manual_seed(0)   # blocks of 128 KiB: large enough for the coded form to pay
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 256))
+                                 for _ in range(N)).to(torch.bfloat16)
+    x = torch.randn(4, 256, dtype=torch.bfloat16, device=dev)
+    ref = run(blocks.to(dev), x)
+    blocks.cpu()
+    engine = BlockSwapEngine(list(blocks))
+    engine.coder_factory = AnsPlanes
+    for window in (1, 2, 4, N):
+        for prefetch in range(0, 3):
+            engine.attach(dev, ResidencyPlan.make(N, window, prefetch), compress=True)
+            for _ in range(2):
+                assert torch.equal(run(blocks, x), ref), (window, prefetch)
+            engine.end_run()
+            engine.detach()
+    assert engine.coding.pays and engine.pool.coded

@@ -1,0 +1,87 @@
+"""Whether a load keeps its streamed RAM homes coded (the `compress` setting: auto / on / off),
+the coder it uses (nvCOMP's ANS, swap/plane_codec.py), the VRAM its decodes need, and the
+plan line's words for it."""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from ...swap.plane_codec import PART_BYTES, AnsPlanes, nvcomp_module
+from ...swap.planner import WindowPlan
+from ...swap.ram_plan import RamSplit
+
+log = logging.getLogger("ringswap.compress")
+
+COMPRESS_MODES = ("auto", "on", "off")
+SCRATCH_BYTES = PART_BYTES * 3 // 2 + (8 << 20)   # a part's coded bytes and its decoded plane, with room
+_said: set[str] = set()   # auto's "off" reasons already logged (one line each per process)
+
+
+@functools.lru_cache(maxsize=1)
+def nvcomp_missing() -> str | None:
+    """Why nvCOMP cannot be used here (the ImportError's words), or None; looked up once."""
+    try:
+        nvcomp_module()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def could_code(mode: str, device: torch.device) -> bool:
+    """May this load decode blocks on `device` (so its plan counts the decode scratch)?"""
+    return mode != "off" and device.type == "cuda" and nvcomp_missing() is None
+
+
+def scratch_bytes(mode: str, device: torch.device) -> int:
+    return SCRATCH_BYTES if could_code(mode, device) else 0
+
+
+SHARED = ("this MODEL's blocks are shared with the node that loaded it, which must find them as it left them; "
+          "compress works on RingSwap's own load of the file: RingSwap Model Loader, or RingSwap Patch on a MODEL "
+          "built for ComfyUI's dynamic VRAM")
+
+
+def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | None, ram_homes: bool,
+           own_load: bool) -> tuple[bool, str]:
+    """(code the streamed RAM homes?, why). `ram_homes`: some streamed block has a RAM home;
+    `own_load`: the blocks are RingSwap's own (read from the file), not a shared MODEL's, which a
+    coded home would leave without weights. on: a clear error where nothing can code; auto: off
+    with one log line."""
+    if mode == "off":
+        return False, ""
+    why_not = ("there is no CUDA device to decode on" if device.type != "cuda" else nvcomp_missing()
+               or (None if own_load else SHARED))
+    if why_not is not None:
+        if mode == "on":
+            raise RuntimeError(why_not if why_not.startswith("RingSwap") else f"RingSwap: compress='on' but {why_not}")
+        if why_not not in _said:
+            _said.add(why_not)
+            log.info("RingSwap compress auto: off (%s)", why_not.split(";")[0])
+        return False, ""
+    if not ram_homes:
+        return False, "compress: nothing streams from RAM"
+    if mode == "on":
+        return True, "compress on"
+    if split is not None and split.file_blocks:
+        return True, "compress auto: RAM is short"
+    if plan.bound == "hidden":
+        return False, "compress auto: off, copies hide under compute"
+    return True, f"compress auto: {plan.bound}"
+
+
+def coder_factory(device: torch.device) -> AnsPlanes:
+    return AnsPlanes(device)
+
+
+def line(engine, why: str, streamed: tuple[int, ...], calls_per_step: int) -> str:
+    """The plan line's part: why, and with coded blocks the ratio and the GB saved in RAM and on
+    the link a step."""
+    coded = [i for i in streamed if i in engine.pool.coded]
+    if not coded:
+        return why
+    raw = sum(engine.states[i].layout.nbytes for i in coded)
+    saved = raw - sum(engine.pool.coded[i].coded_bytes for i in coded)
+    return (f"{why}: {len(coded)} blocks coded to {1 - saved / raw:.2f} x, {saved / 1e9:.1f} GB less in RAM "
+            f"and {calls_per_step * saved / 1e9:.1f} GB less over the link a step")

@@ -1,0 +1,87 @@
+"""Coded homes: streamed blocks kept in RAM as their coded bytes (swap/plane_codec.py), and
+the copy of such a block into a ring slot or a resident buffer (copy, decode, re-interleave on
+the coder's stream)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .host_pool import HostPool, empty_bytes
+from .plane_codec import PART_BYTES, PAYS_RATIO, CodedBlock, PlaneCoder, codable, decode_block, encode_block
+from .staged_copy import PinnedChunks
+
+log = logging.getLogger("ringswap.coding")
+
+
+def coding_for(coding: "Coding | None", factory, device: torch.device) -> "Coding":
+    """`coding` if it is for `device`, else a new one with `factory(device)`'s coder."""
+    if factory is None:
+        raise RuntimeError("compress needs a plane coder (BlockSwapEngine.coder_factory)")
+    return coding if coding is not None and coding.device == device else Coding(factory(device), device)
+
+
+class Coding:
+    """An engine's coder on one device, whether coding pays for its blocks, and the device
+    scratch decodes go through while attached."""
+
+    def __init__(self, coder: PlaneCoder, device: torch.device):
+        self.coder = coder
+        self.device = device
+        self.pays: bool | None = None     # None: not tried yet; False: the first block did not shrink
+        self.scratch: torch.Tensor | None = None
+        self.encoded = (0, 0, 0.0)        # raw bytes, coded bytes, seconds: what was coded so far
+
+    @property
+    def ratio(self) -> float:
+        raw, coded, _ = self.encoded
+        return coded / raw if raw else 1.0
+
+    def code_homes(self, states: list, pool: HostPool, blocks: list[int]) -> int:
+        """Replace the raw RAM homes of `blocks` by coded ones (each uploaded, coded on the device,
+        downloaded); the blocks' parameters are unbound from the dropped home. Stops, leaving the
+        rest raw, if a block does not shrink below PAYS_RATIO. Returns the bytes saved."""
+        todo = [i for i in blocks if i in pool.blocks and i not in pool.coded and codable(states[i].layout.nbytes)]
+        if not todo or self.pays is False:
+            return 0
+        t0, raw, coded, count = time.perf_counter(), 0, 0, 0
+        try:
+            work = empty_bytes(max(states[i].layout.nbytes for i in todo), self.device)
+        except torch.cuda.OutOfMemoryError:   # e.g. re-planned after running out of memory
+            log.info("RingSwap compress: no device memory to code %d blocks now; they stay raw", len(todo))
+            return 0
+        with PinnedChunks(pin=self.device.type == "cuda") as chunks:
+            for i in todo:
+                n = states[i].layout.nbytes
+                chunks.upload(pool.blocks[i].flat, work[:n])
+                chunks.synchronize()
+                block = encode_block(self.coder, work[:n], getattr(self.coder, "part_bytes", PART_BYTES))
+                if block.coded_bytes > PAYS_RATIO * n:
+                    self.pays = False
+                    log.info("RingSwap compress: a block codes to %.2f of its bytes (over %.2f): blocks stay raw",
+                             block.coded_bytes / n, PAYS_RATIO)
+                    break
+                self.pays = True
+                pool.drop(i)
+                pool.coded[i] = block
+                states[i].unbind(torch.device("cpu"))
+                raw, coded, count = raw + n, coded + block.coded_bytes, count + 1
+        r, c, s = self.encoded
+        self.encoded = (r + raw, c + coded, s + time.perf_counter() - t0)
+        if raw:
+            log.info("RingSwap compress: coded %d blocks, %.2f GB -> %.2f GB (%.3f) in %.2f s", count, raw / 1e9,
+                     coded / 1e9, coded / raw, time.perf_counter() - t0)
+        return raw - coded
+
+    def make_scratch(self, pool: HostPool, blocks) -> None:
+        need = max((pool.coded[i].scratch_bytes() for i in blocks if i in pool.coded), default=0)
+        if need and (self.scratch is None or self.scratch.numel() < need):
+            self.scratch = empty_bytes(need, self.device)
+
+    def decode(self, block: CodedBlock, out: torch.Tensor) -> None:
+        """Enqueue the block's copy and decode into `out` (on the current stream)."""
+        decode_block(self.coder, block, self.scratch, out)
+
+    def release(self) -> None:
+        self.scratch = None

@@ -1,0 +1,82 @@
+"""Coded homes (swap/coding.py): streamed blocks kept in RAM as coded planes, decoded into their
+slot or resident buffer; on the CPU with a real zlib plane coder (the GPU test uses nvCOMP)."""
+import pytest
+import torch
+
+from ringswap.swap import BlockSwapEngine, ResidencyPlan
+
+from toy_blocks import N, FileLike, make_blocks, run
+from zlib_planes import StoredPlanes, ZlibPlanes
+
+X = torch.randn(4, 32, dtype=torch.bfloat16)
+
+
+def bf16_blocks():
+    return make_blocks().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("home", ["module", "ram", "auto"])
+def test_coded_homes_are_bit_exact_at_every_window_and_prefetch(home):
+    blocks = bf16_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks, delay=0.001)
+    engine = BlockSwapEngine(list(blocks)) if home == "module" else \
+        BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
+    engine.coder_factory = ZlibPlanes
+    raw = engine.states[0].layout.nbytes
+    for window in (1, 3, N, 2):
+        for prefetch in range(0, 3):
+            plan = ResidencyPlan.make(N, window, prefetch)
+            engine.attach("cpu", plan, compress=True)
+            coded = set(engine.pool.coded)
+            assert set(plan.streamed) <= coded, (window, prefetch)   # every streamed RAM home coded
+            assert not coded & set(engine.pool.blocks)                 # and its raw home gone
+            for i in coded:
+                assert engine.pool.coded[i].coded_bytes < 0.9 * raw
+                assert len(engine.pool.coded[i].parts) > 1
+            for _ in range(2):
+                assert torch.equal(run(blocks, X), ref), (home, window, prefetch)
+            stats = engine.end_run()
+            assert stats is None or not plan.streamed or stats.copies > 0
+            engine.detach()
+    assert engine.coding.ratio < 0.9 and engine.coding.coder.decodes > 0
+    if home != "auto":   # detached, a coded block points at no host copy; the others at their homes
+        engine.attach("cpu", ResidencyPlan.make(N, N, 0), compress=True)   # coded blocks decoded into place
+        assert torch.equal(run(blocks, X), ref)
+        engine.detach()
+
+
+def test_coded_homes_save_ram_and_stay_across_attaches():
+    blocks = bf16_blocks()
+    ref = run(blocks, X)
+    engine = BlockSwapEngine(list(blocks))
+    engine.coder_factory = ZlibPlanes
+    raw_total = engine.total_block_bytes()
+    engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    assert engine.pool.nbytes < raw_total - 0.1 * engine.total_block_bytes() * (N - 2) / N
+    first = {i: c.home for i, c in engine.pool.coded.items()}
+    engine.detach()
+    engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    assert {i: c.home for i, c in engine.pool.coded.items()} == first   # not coded again
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+
+
+def test_a_coder_that_does_not_shrink_the_blocks_leaves_them_raw(caplog):
+    blocks = bf16_blocks()
+    ref = run(blocks, X)
+    engine = BlockSwapEngine(list(blocks))
+    engine.coder_factory = StoredPlanes
+    with caplog.at_level("INFO", logger="ringswap.coding"):
+        engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    assert not engine.pool.coded and engine.coding.pays is False
+    assert "blocks stay raw" in caplog.text
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+
+
+def test_compress_without_a_coder_is_refused():
+    engine = BlockSwapEngine(list(bf16_blocks()))
+    with pytest.raises(RuntimeError, match="coder"):
+        engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    assert engine.att is None
