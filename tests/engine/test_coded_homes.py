@@ -80,3 +80,46 @@ def test_compress_without_a_coder_is_refused():
     with pytest.raises(RuntimeError, match="coder"):
         engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
     assert engine.att is None
+
+
+def test_on_land_work_sees_the_decoded_block_and_the_home_stays_coded():
+    """A LoRA-style fold on landing works on the decoded weights in the slot (here: the Linear's
+    bias doubled); the coded home is untouched, so every landing and a re-attach stay exact."""
+    blocks, doubled = bf16_blocks(), bf16_blocks()
+    for b in doubled:
+        b.lin.bias.data.mul_(2)
+    want = run(doubled, X)
+    engine = BlockSwapEngine(list(blocks))
+    engine.coder_factory = ZlibPlanes
+    bias = next(a.entries[0] for a in engine.states[0].layout.attrs if (a.path, a.name) == ("lin", "bias"))
+
+    def on_land(block, tensors):
+        tensors[bias].mul_(2)
+
+    for window, prefetch in ((1, 0), (2, 1), (3, 2)):
+        engine.attach("cpu", ResidencyPlan.make(N, window, prefetch), on_land=on_land, compress=True)
+        for _ in range(3):
+            assert torch.equal(run(blocks, X), want), (window, prefetch)
+        engine.end_run()
+        engine.detach()
+
+
+def test_a_mid_run_re_plan_keeps_coding_and_stays_exact():
+    """reattach (a smaller window after running out of memory, or the rates' re-plan) keeps
+    compress: blocks newly streamed get coded homes, blocks newly resident are decoded into place."""
+    blocks = bf16_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="ram", disk_workers=2)
+    engine.coder_factory = ZlibPlanes
+    engine.attach("cpu", ResidencyPlan.make(N, 5, 1), compress=True)
+    assert torch.equal(run(blocks, X), ref)
+    for window in (2, 6, 1):
+        plan = ResidencyPlan.make(N, window, 1)
+        engine.reattach(plan)
+        assert set(plan.streamed) <= set(engine.pool.coded)
+        assert torch.equal(run(blocks, X), ref), window
+    engine.end_run()
+    engine.detach()
+    engine.release_home()
+    assert not engine.pool.coded and engine.pool.nbytes == 0
