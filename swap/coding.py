@@ -9,10 +9,18 @@ import time
 import torch
 
 from .host_pool import HostPool, empty_bytes
-from .plane_codec import PART_BYTES, PAYS_RATIO, CodedBlock, PlaneCoder, codable, decode_block, encode_block
+from .plane_codec import PART_BYTES, PAYS_RATIO, CodedBlock, PlaneCoder, decode_block, encode_block, wants_planes
 from .staged_copy import PinnedChunks
 
 log = logging.getLogger("ringswap.coding")
+
+
+def _planes(layout) -> bool:
+    by_size: dict[int, int] = {}
+    for e in layout.entries:
+        size = torch.empty(0, dtype=e.dtype).element_size()
+        by_size[size] = by_size.get(size, 0) + e.nbytes
+    return wants_planes(by_size, layout.nbytes)
 
 
 def coding_for(coding: "Coding | None", factory, device: torch.device) -> "Coding":
@@ -42,7 +50,7 @@ class Coding:
         """Replace the raw RAM homes of `blocks` by coded ones (each uploaded, coded on the device,
         downloaded); the blocks' parameters are unbound from the dropped home. Stops, leaving the
         rest raw, if a block does not shrink below PAYS_RATIO. Returns the bytes saved."""
-        todo = [i for i in blocks if i in pool.blocks and i not in pool.coded and codable(states[i].layout.nbytes)]
+        todo = [i for i in blocks if i in pool.blocks and i not in pool.coded and states[i].layout.nbytes]
         if not todo or self.pays is False:
             return 0
         t0, raw, coded, count = time.perf_counter(), 0, 0, 0
@@ -56,7 +64,8 @@ class Coding:
                 n = states[i].layout.nbytes
                 chunks.upload(pool.blocks[i].flat, work[:n])
                 chunks.synchronize()
-                block = encode_block(self.coder, work[:n], getattr(self.coder, "part_bytes", PART_BYTES))
+                block = encode_block(self.coder, work[:n], getattr(self.coder, "part_bytes", PART_BYTES),
+                                     planes=_planes(states[i].layout))
                 if block.coded_bytes > PAYS_RATIO * n:
                     self.pays = False
                     log.info("RingSwap compress: a block codes to %.2f of its bytes (over %.2f): blocks stay raw",

@@ -3,7 +3,8 @@
 A bf16/fp16 weight's high byte (sign and exponent) is highly predictable, its low byte is not.
 A block's flat bytes are cut into parts, each read as little-endian 16-bit words and split into
 a plane of high bytes, entropy-coded by a `PlaneCoder` (nvCOMP's ANS on the GPU: `AnsPlanes`),
-and a plane of low bytes kept raw. Decoding copies each part's coded bytes into a small device
+and a plane of low bytes kept raw; a block mostly of one-byte values (fp8, packed nvfp4) has
+each part coded whole. Decoding copies each part's coded bytes into a small device
 scratch, decodes and re-interleaves them into the slot: plain torch ops plus the coder, enqueued
 on one stream with no host sync. Written here because no library splits float planes for a GPU
 entropy coder; nvCOMP does the coding.
@@ -52,32 +53,41 @@ class PlaneCoder(Protocol):
 
 @dataclass
 class CodedBlock:
-    """A block's bytes as they wait in RAM and cross the link: per part its coded high plane
-    then its raw low plane, back to back in one host buffer. `parts`: (offset in the block,
-    the part's bytes, offset in `home`, coded high bytes)."""
+    """A block's bytes as they wait in RAM and cross the link, in one host buffer. With `planes`
+    (blocks mostly of 16-bit floats) per part its coded high plane then its raw low plane;
+    without (one-byte formats: fp8, packed nvfp4) per part all its bytes coded. `parts`: (offset
+    in the block, the part's bytes, offset in `home`, coded bytes)."""
     home: HostBuffer
     parts: tuple[tuple[int, int, int, int], ...]
     nbytes: int
+    planes: bool = True
 
     @property
     def coded_bytes(self) -> int:
         return self.home.nbytes
 
     def scratch_bytes(self) -> int:
-        """Device scratch a decode needs: the largest part's coded bytes plus its decoded high plane."""
-        return max(c + n // 2 + n // 2 for _, n, _, c in self.parts)
+        """Device scratch a decode needs: the largest part's coded bytes (with planes, plus its
+        raw low plane and its decoded high plane)."""
+        return max(c + (n if self.planes else 0) for _, n, _, c in self.parts)
 
 
-def codable(nbytes: int) -> bool:
-    return nbytes > 0 and nbytes % 2 == 0
+def wants_planes(dtypes_bytes: dict[int, int], nbytes: int) -> bool:
+    """Split into planes where at least half a block's bytes are 16-bit floats (element size 2);
+    `dtypes_bytes`: bytes per element size."""
+    return nbytes % 2 == 0 and 2 * dtypes_bytes.get(2, 0) >= nbytes
 
 
-def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_BYTES) -> CodedBlock:
+def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_BYTES, planes: bool = True) -> CodedBlock:
     """Code a block's bytes (uint8 on the coder's device) into a new pageable host buffer."""
     n, pieces = flat.numel(), []
     for off in range(0, n, part_bytes):
-        high, low = split_planes(flat[off:off + part_bytes])
-        pieces.append((off, 2 * low.numel(), coder.encode(high), low))
+        part = flat[off:off + part_bytes]
+        if planes:
+            high, low = split_planes(part)
+            pieces.append((off, part.numel(), coder.encode(high), low))
+        else:
+            pieces.append((off, part.numel(), coder.encode(part), part[:0]))
     home = HostBuffer(sum(c.numel() + low.numel() for _, _, c, low in pieces))
     parts, pos = [], 0
     for off, size, coded, low in pieces:
@@ -85,16 +95,19 @@ def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_B
         home.flat[pos + coded.numel():pos + coded.numel() + low.numel()].copy_(low)
         parts.append((off, size, pos, coded.numel()))
         pos += coded.numel() + low.numel()
-    return CodedBlock(home, tuple(parts), n)
+    return CodedBlock(home, tuple(parts), n, planes)
 
 
 def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, out: torch.Tensor) -> None:
     """Enqueue, on the current stream, each part's copy into `scratch` (device uint8 of at least
     `block.scratch_bytes()`), its decode and its re-interleave into `out` (the block's bytes)."""
     for off, size, pos, c in block.parts:
-        half = size // 2
+        half = size // 2 if block.planes else 0
         landed = scratch[:c + half]
         landed.copy_(block.home.flat[pos:pos + c + half], non_blocking=True)
+        if not block.planes:
+            coder.decode(landed, out[off:off + size])
+            continue
         high = scratch[c + half:c + 2 * half]
         coder.decode(landed[:c], high)
         join_planes(high, landed[c:], out[off:off + size])

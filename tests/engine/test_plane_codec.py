@@ -49,6 +49,21 @@ def test_blocks_code_in_parts_and_decode_bit_exact_on_the_cpu():
     assert torch.equal(out, flat) and coder.decodes == 3
 
 
+def test_one_byte_formats_code_whole_bytes():
+    """A block mostly of one-byte values (fp8) is coded whole, without planes; still bit exact."""
+    from zlib_planes import ZlibPlanes
+    from ringswap.swap.plane_codec import wants_planes
+    assert wants_planes({2: 600, 4: 400}, 1000) and not wants_planes({1: 900, 4: 100}, 1000)
+    assert not wants_planes({2: 1001}, 1001)   # odd bytes cannot be read as words
+    flat = (torch.randn(5001) * 20).to(torch.float8_e4m3fn).view(torch.uint8)
+    coder = ZlibPlanes()
+    block = encode_block(coder, flat, part_bytes=2048, planes=False)
+    assert not block.planes and block.scratch_bytes() == max(p[3] for p in block.parts)
+    out = torch.empty_like(flat)
+    decode_block(coder, block, torch.empty(block.scratch_bytes(), dtype=torch.uint8), out)
+    assert torch.equal(out, flat)
+
+
 @pytest.mark.gpu
 def test_ans_planes_round_trip_on_cuda():
     dev = _cuda_nvcomp()
