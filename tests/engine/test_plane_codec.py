@@ -8,11 +8,12 @@ from ringswap.swap.plane_codec import decode_block, encode_block, join_planes, n
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_planes_split_and_join_bit_exact(dtype):
+    torch.manual_seed(0)
     flat = (torch.randn(4099, dtype=torch.float32) * 0.02).to(dtype).view(torch.uint8)
     high, low = split_planes(flat)
     assert high.numel() == low.numel() == flat.numel() // 2
     if dtype == torch.bfloat16:   # the high byte holds sign and exponent: few values
-        assert high.unique().numel() < 16 < low.unique().numel()
+        assert high.unique().numel() < 32 < low.unique().numel()
     out = torch.empty_like(flat)
     assert torch.equal(join_planes(high, low, out), flat)
 
