@@ -2,8 +2,9 @@
 
 One block of each format (bf16 and fp16 weights N(0, 0.02) as in the bench files; fp8 e4m3 of
 the same, scaled per tensor; random bytes for nvfp4's packed codes), coded as the engine codes
-a RAM home (swap/plane_codec.py: 64 MiB parts, the high-byte plane of each part coded with
-nvCOMP's ANS, the low plane raw; the engine keeps a block raw above 0.9), then: the ratio, a
+a RAM home (swap/plane_codec.py: 64 MiB parts; bf16/fp16: the high-byte plane of each part coded
+with nvCOMP's ANS, the low plane raw; one-byte formats: each part coded whole; the engine keeps
+a block raw above 0.9), then: the ratio, a
 pinned host-to-device copy of the raw block and of the coded one, the copy and decode into a
 slot (events on the coder's stream), and whether the result is the block bit for bit. Needs nvCOMP: carry `.whl-nvcomp` (scripts/prepare_nvcomp_wheels.sh) and
 install it with `pip install --no-deps --target /tmp/nvc .whl-nvcomp/*.whl`, PYTHONPATH=/tmp/nvc.
@@ -55,10 +56,10 @@ def probe(fmt: str, params: int, repeat: int, dev: torch.device) -> dict:
     flat = block_bytes(fmt, params, dev)
     planes = AnsPlanes(dev)
     t0 = time.perf_counter()
-    block = encode_block(planes, flat)
+    block = encode_block(planes, flat, planes=fmt in ("bf16", "fp16"))   # one-byte formats: coded whole
     out = {"format": fmt, "bytes": flat.numel(), "coded_bytes": block.coded_bytes,
            "ratio": block.coded_bytes / flat.numel(), "parts": len(block.parts),
-           "high_plane_ratio": sum(c for *_, c in block.parts) / (flat.numel() // 2),
+           "coded_share": sum(c for *_, c in block.parts) / (flat.numel() // (2 if block.planes else 1)),
            "encode_s": time.perf_counter() - t0}
     block.home.pin()
     raw_host = flat.cpu().pin_memory()
