@@ -40,6 +40,7 @@ class Coding:
         self.pays: bool | None = None     # None: not tried yet; False: the first block did not shrink
         self.scratch: torch.Tensor | None = None
         self.encoded = (0, 0, 0.0)        # raw bytes, coded bytes, seconds: what was coded so far
+        self.decode_rate = 0.0            # decoded bytes a second (copy + decode), from the check
 
     @property
     def ratio(self) -> float:
@@ -71,6 +72,8 @@ class Coding:
                     log.info("RingSwap compress: a block codes to %.2f of its bytes (over %.2f): blocks stay raw",
                              block.coded_bytes / n, PAYS_RATIO)
                     break
+                if self.decode_rate == 0.0:
+                    self._check(block, work[:n])
                 self.pays = True
                 pool.drop(i)
                 pool.coded[i] = block
@@ -82,6 +85,31 @@ class Coding:
             log.info("RingSwap compress: coded %d blocks, %.2f GB -> %.2f GB (%.3f) in %.2f s", count, raw / 1e9,
                      coded / 1e9, coded / raw, time.perf_counter() - t0)
         return raw - coded
+
+    def _check(self, block: CodedBlock, raw: torch.Tensor) -> None:
+        """Decode the first coded block and compare it with its bytes (a coder that is not bit-exact
+        is refused here, not found in the output), timing the copy and decode."""
+        out = torch.empty_like(raw)
+        self.scratch = empty_bytes(block.scratch_bytes(), self.device)
+        stream = self.coder.stream
+        if stream is None:
+            t0 = time.perf_counter()
+            self.decode(block, out)
+            secs = time.perf_counter() - t0
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                self.decode(block, out)
+                end.record(stream)
+            end.synchronize()
+            secs = start.elapsed_time(end) / 1000.0
+        self.scratch = None
+        if not torch.equal(out, raw):
+            raise RuntimeError("RingSwap compress: the plane coder did not give a block back bit for bit; "
+                               "use compress=off and report this (nvCOMP version, GPU)")
+        self.decode_rate = raw.numel() / max(secs, 1e-9)
 
     def make_scratch(self, pool: HostPool, blocks) -> None:
         need = max((pool.coded[i].scratch_bytes() for i in blocks if i in pool.coded), default=0)

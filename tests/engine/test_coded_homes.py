@@ -39,7 +39,7 @@ def test_coded_homes_are_bit_exact_at_every_window_and_prefetch(home):
             stats = engine.end_run()
             assert stats is None or not plan.streamed or stats.copies > 0
             engine.detach()
-    assert engine.coding.ratio < 0.9 and engine.coding.coder.decodes > 0
+    assert engine.coding.ratio < 0.9 and engine.coding.coder.decodes > 0 and engine.coding.decode_rate > 0
     if home != "auto":   # detached, a coded block points at no host copy; the others at their homes
         engine.attach("cpu", ResidencyPlan.make(N, N, 0), compress=True)   # coded blocks decoded into place
         assert torch.equal(run(blocks, X), ref)
@@ -123,3 +123,20 @@ def test_a_mid_run_re_plan_keeps_coding_and_stays_exact():
     engine.detach()
     engine.release_home()
     assert not engine.pool.coded and engine.pool.nbytes == 0
+
+
+def test_a_coder_that_is_not_bit_exact_is_refused_at_coding():
+    """The first coded block is decoded and compared with its bytes before its raw home goes:
+    a coder that changes a bit is refused with a clear error, and the homes stay raw."""
+    class Flips(ZlibPlanes):
+        def decode(self, coded, out):
+            super().decode(coded, out)
+            out[0] ^= 1
+
+    blocks = bf16_blocks()
+    engine = BlockSwapEngine(list(blocks))
+    engine.coder_factory = Flips
+    with pytest.raises(RuntimeError, match="bit for bit"):
+        engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    assert not engine.pool.coded and engine.att is None
+    assert torch.equal(run(blocks, X), run(bf16_blocks(), X))   # the homes are whole
