@@ -86,6 +86,28 @@ class Coding:
                      coded / 1e9, coded / raw, time.perf_counter() - t0)
         return raw - coded
 
+    def capture_resident(self, states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int) -> None:
+        """Code resident blocks without a home straight from their device buffers into coded homes,
+        in order, while they fit in `nbytes` (home=auto keeping an outgoing model in RAM: an
+        expert switch then places it from there at its coded size)."""
+        done, t0, part = 0, time.perf_counter(), getattr(self.coder, "part_bytes", PART_BYTES)
+        for i in resident:
+            s = states[i]
+            if s.device_buffer is None or pool.has(i):
+                continue
+            try:
+                block = encode_block(self.coder, s.device_buffer, part, planes=_planes(s.layout))
+            except (OSError, RuntimeError) as e:
+                log.info("RingSwap compress: no more memory to keep resident blocks coded (%s)", e)
+                break
+            if done + block.coded_bytes > nbytes:
+                break
+            pool.coded[i] = block
+            done += block.coded_bytes
+        if done:
+            log.info("RingSwap: kept %.2f GB of resident blocks coded in RAM for the next load (%.2f s; room %.2f GB)",
+                     done / 1e9, time.perf_counter() - t0, nbytes / 1e9)
+
     def _check(self, block: CodedBlock, raw: torch.Tensor) -> None:
         """Decode the first coded block and compare it with its bytes (a coder that is not bit-exact
         is refused here, not found in the output), timing the copy and decode."""

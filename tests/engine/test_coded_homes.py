@@ -140,3 +140,27 @@ def test_a_coder_that_is_not_bit_exact_is_refused_at_coding():
         engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
     assert not engine.pool.coded and engine.att is None
     assert torch.equal(run(blocks, X), run(bf16_blocks(), X))   # the homes are whole
+
+
+def test_home_auto_keeps_an_outgoing_models_resident_blocks_coded():
+    """home=auto with compress, taken off the device with room to keep its resident blocks (an
+    expert switch): they are coded straight from the device into coded homes, and the next attach
+    places them by decoding, without reading the file; exact."""
+    blocks = bf16_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    engine.coder_factory = ZlibPlanes
+    plan = ResidencyPlan.make(N, 4, 1)
+    engine.attach("cpu", plan, compress=True)
+    assert torch.equal(run(blocks, X), ref)
+    engine.end_run()
+    engine.detach(capture_bytes=10 ** 9)
+    assert set(engine.pool.coded) == set(range(N)) and not engine.pool.blocks
+    raw = sum(s.layout.nbytes for s in engine.states)
+    assert engine.pool.nbytes < 0.9 * raw
+    reads = src.reads
+    engine.attach("cpu", plan, compress=True)
+    assert src.reads == reads and engine.read_back == (0, 0.0)
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
