@@ -163,8 +163,9 @@ class BlockSwapEngine:
         file_streamed = [i for i in plan.streamed if i not in keep]
         att = Attachment(device, plan, "", pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
         att.compress = compress
-        if compress:
+        if compress or self.pool.coded:   # coded homes decode with a coder for this device
             self.coding = coding_for(self.coding, self.coder_factory, device)
+        if compress:
             self.coding.code_homes(self.states, self.pool, [i for i in plan.streamed if i in keep])
         pinning = home.lock_early(self.pool, device, pin_memory, [i for i in plan.streamed if i in keep])
         try:

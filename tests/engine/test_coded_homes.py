@@ -60,6 +60,9 @@ def test_coded_homes_save_ram_and_stay_across_attaches():
     assert {i: c.home for i, c in engine.pool.coded.items()} == first   # not coded again
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
+    engine.attach("cpu", ResidencyPlan.make(N, 1, 1), compress=False)   # compress off: coded homes still serve
+    assert set(engine.pool.coded) == set(first) and torch.equal(run(blocks, X), ref)
+    engine.detach()
 
 
 def test_a_coder_that_does_not_shrink_the_blocks_leaves_them_raw(caplog):
