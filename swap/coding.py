@@ -112,7 +112,7 @@ class Coding:
         """Decode the first coded block and compare it with its bytes (a coder that is not bit-exact
         is refused here, not found in the output), timing the copy and decode."""
         out = torch.empty_like(raw)
-        self.scratch = empty_bytes(block.scratch_bytes(), self.device)
+        self.scratch = empty_bytes(block.scratch_bytes(), self.device)   # one half: copies on the decode stream
         stream = self.coder.stream
         if stream is None:
             t0 = time.perf_counter()
@@ -134,13 +134,16 @@ class Coding:
         self.decode_rate = raw.numel() / max(secs, 1e-9)
 
     def make_scratch(self, pool: HostPool, blocks) -> None:
+        """Device scratch for decoding these blocks' coded homes: two halves on CUDA (see decode_block)."""
         need = max((pool.coded[i].scratch_bytes() for i in blocks if i in pool.coded), default=0)
+        need *= 2 if self.coder.stream is not None else 1
         if need and (self.scratch is None or self.scratch.numel() < need):
             self.scratch = empty_bytes(need, self.device)
 
-    def decode(self, block: CodedBlock, out: torch.Tensor) -> None:
-        """Enqueue the block's copy and decode into `out` (on the current stream)."""
-        decode_block(self.coder, block, self.scratch, out)
+    def decode(self, block: CodedBlock, out: torch.Tensor, copy_stream: "torch.cuda.Stream | None" = None) -> None:
+        """Enqueue the block's copy (on `copy_stream` where given, on CUDA) and decode into `out`
+        (on the current stream)."""
+        decode_block(self.coder, block, self.scratch, out, copy_stream if self.coder.stream is not None else None)
 
     def release(self) -> None:
         self.scratch = None

@@ -19,7 +19,7 @@ import torch
 from .host_pool import HostBuffer
 
 NVCOMP_PACKAGES = "nvidia-nvcomp-cu13 (torch built for CUDA 13) or nvidia-nvcomp-cu12 (CUDA 12)"
-PART_BYTES = 64 << 20    # a part's raw bytes: the device scratch is ~1.5 parts, not a block
+PART_BYTES = 32 << 20    # a part's raw bytes: the device scratch is two halves of ~1.5 parts, not a block
 PAYS_RATIO = 0.9         # a block coded to more than this of its bytes stays raw
 
 
@@ -98,19 +98,42 @@ def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_B
     return CodedBlock(home, tuple(parts), n, planes)
 
 
-def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, out: torch.Tensor) -> None:
-    """Enqueue, on the current stream, each part's copy into `scratch` (device uint8 of at least
-    `block.scratch_bytes()`), its decode and its re-interleave into `out` (the block's bytes)."""
-    for off, size, pos, c in block.parts:
+def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, out: torch.Tensor,
+                 copy_stream: "torch.cuda.Stream | None" = None) -> None:
+    """Enqueue each part's copy into the scratch, its decode and its re-interleave into `out` (the
+    block's bytes), the decodes on the current stream. `scratch`: device uint8 of at least
+    `block.scratch_bytes()`, or with `copy_stream` (CUDA) twice that: the copies then run on
+    `copy_stream` into two halves taken in turn, so a part crosses the link while the one before
+    is decoded."""
+    halves = 2 if copy_stream is not None else 1
+    room = scratch.numel() // halves
+    decoding = torch.cuda.current_stream(scratch.device) if copy_stream is not None else None
+    if decoding is not None:
+        copy_stream.wait_stream(decoding)   # after what the decodes wait for (the slot's free event)
+    freed: list = [None, None]
+    for k, (off, size, pos, c) in enumerate(block.parts):
         half = size // 2 if block.planes else 0
-        landed = scratch[:c + half]
-        landed.copy_(block.home.flat[pos:pos + c + half], non_blocking=True)
+        base = (k % halves) * room
+        landed = scratch[base:base + c + half]
+        if decoding is None:
+            landed.copy_(block.home.flat[pos:pos + c + half], non_blocking=True)
+        else:
+            if freed[k % 2] is not None:
+                copy_stream.wait_event(freed[k % 2])   # the decode two parts back is done with this half
+            with torch.cuda.stream(copy_stream):
+                landed.copy_(block.home.flat[pos:pos + c + half], non_blocking=True)
+                arrived = torch.cuda.Event()
+                arrived.record(copy_stream)
+            decoding.wait_event(arrived)
         if not block.planes:
             coder.decode(landed, out[off:off + size])
-            continue
-        high = scratch[c + half:c + 2 * half]
-        coder.decode(landed[:c], high)
-        join_planes(high, landed[c:], out[off:off + size])
+        else:
+            high = scratch[base + c + half:base + c + 2 * half]
+            coder.decode(landed[:c], high)
+            join_planes(high, landed[c:], out[off:off + size])
+        if decoding is not None:
+            freed[k % 2] = torch.cuda.Event()
+            freed[k % 2].record(decoding)
 
 
 def nvcomp_module():
@@ -130,7 +153,7 @@ class AnsPlanes:
     def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None):
         self.nvcomp = nvcomp_module()
         self.device = torch.device(device)
-        self.stream = stream or torch.cuda.Stream(self.device)
+        self.stream = stream or torch.cuda.Stream(self.device, priority=-1)   # decodes first where SMs free up
         self.codec = self.nvcomp.Codec(algorithm="ANS", device_id=self.device.index or 0,
                                        cuda_stream=self.stream.cuda_stream, data_type="|u1")
         self._configs: dict[int, tuple] = {}

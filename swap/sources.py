@@ -43,8 +43,9 @@ class CodedSource:
     def start(self, block: int, slot: Slot) -> None:
         coding, coded = self.engine.coding, self.engine.pool.coded[block]
         slot.reading = False
-        slot.ready = self.att.copier.enqueue(lambda: coding.decode(coded, slot.flat[:coded.nbytes]), slot.free,
-                                             stream=coding.coder.stream)
+        copier = self.att.copier
+        slot.ready = copier.enqueue(lambda: coding.decode(coded, slot.flat[:coded.nbytes], copier.stream), slot.free,
+                                    stream=coding.coder.stream)
 
 
 class FileSource:

@@ -15,7 +15,7 @@ from ...swap.ram_plan import RamSplit
 log = logging.getLogger("ringswap.compress")
 
 COMPRESS_MODES = ("auto", "on", "off")
-SCRATCH_BYTES = PART_BYTES * 3 // 2 + (8 << 20)   # a part's coded bytes and its decoded plane, with room
+SCRATCH_BYTES = 2 * (PART_BYTES * 3 // 2 + (4 << 20))   # two halves: a part's coded bytes and decoded plane
 _said: set[str] = set()   # auto's "off" reasons already logged (one line each per process)
 
 
