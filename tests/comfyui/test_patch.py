@@ -230,6 +230,10 @@ def test_compress_on_without_cuda_or_nvcomp_is_a_clear_error_and_auto_is_off(ref
     shares) names why at load and leaves the model unloaded; auto there is off (exact, no coded
     homes) with one log line; a bad value is refused."""
     from ringswap.loaders.comfyui_adapter import compress_choice
+    from ringswap.nodes.model_loader import RingSwapModelLoader
+    for node in (RingSwapPatch, RingSwapModelLoader):   # optional: workflows saved before it still validate
+        kind, opts = node.INPUT_TYPES()["optional"]["compress"]
+        assert kind == ["auto", "on", "off"] and opts["default"] == "auto" and "nvidia-nvcomp" in opts["tooltip"]
     stock, ref_outs, _ = reference
     with pytest.raises(ValueError, match="compress must be one of"):
         RingSwapPatch().patch(stock, 2, 1, "auto", compress="sometimes")
