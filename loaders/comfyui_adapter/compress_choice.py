@@ -67,7 +67,7 @@ def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | 
     if split is not None and split.file_blocks:
         return True, "compress auto: RAM is short"
     if plan.bound == "hidden":
-        return False, "compress auto: off, copies hide under compute"
+        return False, "compress auto: copies hide under compute, no block coded for this load"
     return True, f"compress auto: {plan.bound}"
 
 
