@@ -147,6 +147,22 @@ def _lora_target(speeds: dict, c: dict, r: dict) -> str:
     return f"LoRA x{x:.3f} the same run without it ({'ok' if x <= 1.03 else 'MISSED'} <= 1.03)"
 
 
+def _compress_target(speeds: dict, c: dict, r: dict) -> str:
+    """Issue 29: with compress, <= 0.75 x the same RingSwap run without it where that run was
+    copy-bound (over 1.05 x the resident run), else <= 1.01 x (no cost where copies hide)."""
+    if not c.get("compress"):
+        return ""
+    without = {**c, "compress": None}
+    plain = speeds.get(scenario(without) + (c["config"], c["cap_gib"], r["tokens"]))
+    resident = uncapped(speeds, without, resident_of(CONFIGS[c["config"]]), r["tokens"])
+    if not plain:
+        return "compress: no run without it to hold it to"
+    bound = 0.75 if resident and plain > 1.05 * resident else 1.01
+    x = r["s_per_step"] / plain
+    return (f"compress x{x:.3f} the same run without it {plain:.3f} ({'ok' if x <= bound else 'MISSED'} <= "
+            f"{bound:g}, {'copy-bound' if bound < 1 else 'copies hide or no resident run to tell'})")
+
+
 def _gguf_target(cells: list[dict], c: dict, r: dict) -> str:
     """Issue 27: a GGUF model at 8 GiB through RingSwap <= 0.8 x Unet Loader (GGUF) alone on the
     same ComfyUI version (its own offloading), at the same cap, cfg, link, LoRA and tokens."""
@@ -178,7 +194,8 @@ def targets(cells: list[dict], link_gbps: float | None, workers: int = 8) -> str
             if resident and c["cap_gib"] == 24 and cfg == 1 and link == "full":
                 x = s / resident
                 bits.append(f"x{x:.3f} resident ({'ok' if x <= 1.01 else 'MISSED'} <= 1.01)")
-            bits += [_resident_targets(c, r, resident, rate), _lora_target(speeds, c, r), _gguf_target(cells, c, r)]
+            bits += [_resident_targets(c, r, resident, rate), _lora_target(speeds, c, r), _gguf_target(cells, c, r),
+                     _compress_target(speeds, c, r)]
             bits += _peers(cells, c, r) + [_link(c, r, resident, rate), _rss(c, r, workers)]
         bits = [b for b in bits if b]
         lines.append(f"- {fmt} cfg {cfg:g} link {link} {c['cap_gib']:g} GiB {c['config']} {r['tokens']:,} tokens "

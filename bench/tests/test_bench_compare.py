@@ -256,3 +256,22 @@ def test_gguf_at_8_gib_is_held_to_the_packs_own_run(ratio, says):
     rs["rows"][0]["s_per_step"] = ratio * alone["rows"][0]["s_per_step"]
     line = _line(compare_targets.targets([alone, rs], LINK), "- gguf_q4_k cfg 1 link full 8 GiB rs-patch-0.3.75")
     assert f"x{ratio:.3f} Unet Loader (GGUF) alone" in line and says in line
+
+
+@pytest.mark.parametrize("slow,ratio,says", [(1.5, 0.7, "ok <= 0.75, copy-bound"), (1.5, 0.8, "MISSED <= 0.75"),
+                                             (1.0, 1.005, "ok <= 1.01, copies hide")])
+def test_a_compress_cell_is_held_to_the_same_run_without_it(slow, ratio, says):
+    """With compress: <= 0.75 x the run without it where that run was copy-bound (slower than
+    1.05 x resident), else <= 1.01 x."""
+    resident = copy.deepcopy(_cell("comfy-0.3.75", 0.0))
+    plain = copy.deepcopy(_cell("rs-loader-0.3.75", 24.0))
+    res_row = next(r for r in resident["rows"] if r["tokens"] == 7800)
+    plain["rows"] = [dict(r, s_per_step=slow * res_row["s_per_step"]) for r in plain["rows"] if r["tokens"] == 7800]
+    coded = copy.deepcopy(plain)
+    coded["compress"] = "on"
+    coded["rows"][0]["s_per_step"] *= ratio
+    out = compare_table.table([resident, plain, coded])
+    assert "| bf16, compress on, cfg 1, link full | 24 | rs-loader-0.3.75" in out
+    line = _line(compare_targets.targets([resident, plain, coded], LINK),
+                 "- bf16, compress on cfg 1 link full 24 GiB rs-loader-0.3.75")
+    assert f"compress x{ratio:.3f} the same run without it" in line and says in line
