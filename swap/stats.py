@@ -43,8 +43,9 @@ class RunStats:
             setattr(fresh, name, getattr(self, name))
         fresh.land_times, fresh.call_times = self.land_times, self.call_times
         fresh.shrinks = self.shrinks + ([(self.window, fresh.window)] if after_oom else [])
-        fresh.replans = self.replans + ([] if after_oom else [((self.window, self.prefetch),
-                                                                (fresh.window, fresh.prefetch))])
+        same = (self.window, self.prefetch) == (fresh.window, fresh.prefetch)   # e.g. only the RAM split changed
+        fresh.replans = self.replans + ([] if after_oom or same else [((self.window, self.prefetch),
+                                                                        (fresh.window, fresh.prefetch))])
         return fresh
 
     @property

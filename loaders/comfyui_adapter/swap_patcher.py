@@ -164,6 +164,10 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         engine.attach(device, plan.residency, self.ringswap.pin_memory,
                       owner=weakref.ref(self), on_land=self.lora_folder(device), ram_blocks=ram_blocks,
                       progress=live_feed.progress_bar(), compress=compress)
+        if compress and split is not None and split.file_blocks:   # coded homes left room for more
+            split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
+            if split.ram_blocks > frozenset(ram_blocks):
+                engine.reattach(plan.residency, split.ram_blocks, after_oom=False)
         live_feed.observe(engine, self.ringswap_node)
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)

@@ -118,3 +118,27 @@ def test_compressed_homes_are_bit_exact_on_cuda(stock, wan_file, caplog):
                 assert set(engine.plan.streamed) <= set(engine.pool.coded) and engine.memory == "pinned"
                 assert "compress on: " in caplog.text and "blocks coded to 0." in caplog.text
                 comfy.model_management.unload_all_models()
+
+
+def test_compress_widens_home_autos_ram_split_on_the_first_load(stock, wan_file, caplog):
+    """home=auto with a RAM budget that holds only part of the streamed blocks raw: once the first
+    ones are coded, the load gives RAM homes to more of them (counted at their coded size);
+    outputs stay bit-identical to the stock model."""
+    from ringswap.loaders.comfyui_adapter import compress_choice, ram_room
+    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
+    if compress_choice.nvcomp_missing():
+        pytest.skip("needs nvCOMP (scripts/prepare_nvcomp_wheels.sh)")
+    xi = inputs(seed=3, frames=3, size=16)
+    ref = forward(stock, *xi)
+    comfy.model_management.unload_all_models()
+    raw_only = load_swapped_model(wan_file, SwapSettings(2, 1, ram_budget_gb=0.06, compress="off"), home="auto")
+    assert torch.equal(forward(raw_only, *xi), ref)
+    raw_split = ram_room.split_for(raw_only.swap_engine, raw_only.swap_engine.plan, 0.06)
+    comfy.model_management.unload_all_models()
+    model = load_swapped_model(wan_file, SwapSettings(2, 1, ram_budget_gb=0.06, compress="on"), home="auto")
+    assert torch.equal(forward(model, *xi), ref)
+    engine = model.swap_engine
+    assert raw_split.file_blocks and len(engine.att.ram_homes) > len(raw_split.ram_blocks)
+    assert set(engine.att.ram_homes) <= set(engine.pool.coded)
+    comfy.model_management.unload_all_models()
