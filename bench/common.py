@@ -27,21 +27,6 @@ sys.path.insert(0, os.path.join(COMFY, "custom_nodes"))
 sys.path.insert(0, os.path.join(REPO, "tests", "comfyui", "support"))
 
 
-def pack_without_comfyui():
-    """This repo as the package `ringswap` where no ComfyUI tree links it (the torch-only
-    benchmarks, e.g. plane_probe.py on a machine with only torch and nvCOMP)."""
-    import importlib.util
-    if "ringswap" not in sys.modules:
-        try:
-            import ringswap  # noqa: F401  (linked in ComfyUI's custom_nodes)
-        except ImportError:
-            spec = importlib.util.spec_from_file_location("ringswap", os.path.join(REPO, "__init__.py"),
-                                                          submodule_search_locations=[REPO])
-            pack = importlib.util.module_from_spec(spec)
-            sys.modules["ringswap"] = pack
-            spec.loader.exec_module(pack)
-    return sys.modules["ringswap"]
-
 # latent (frames, height, width) for a token count: tokens = f * (h/2) * (w/2)
 SHAPES = {32760: (21, 60, 104), 7800: (5, 60, 104), 75600: (21, 90, 160), 4096: (1, 128, 128)}
 

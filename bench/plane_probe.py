@@ -14,6 +14,7 @@ install it with `pip install --no-deps --target /tmp/nvc .whl-nvcomp/*.whl`, PYT
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -24,6 +25,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 WAN_BLOCK_PARAMS = 351e6
+
+
+def pack_without_comfyui():
+    """This repo as the package `ringswap` where no ComfyUI tree links it (a machine with only
+    torch and nvCOMP)."""
+    if "ringswap" not in sys.modules:
+        try:
+            import ringswap  # noqa: F401  (linked in ComfyUI's custom_nodes)
+        except ImportError:
+            spec = importlib.util.spec_from_file_location("ringswap", os.path.join(common.REPO, "__init__.py"),
+                                                          submodule_search_locations=[common.REPO])
+            pack = importlib.util.module_from_spec(spec)
+            sys.modules["ringswap"] = pack
+            spec.loader.exec_module(pack)
+    return sys.modules["ringswap"]
 
 
 def block_bytes(fmt: str, params: int, dev: torch.device) -> torch.Tensor:
@@ -51,7 +67,7 @@ def timed(fn, stream: torch.cuda.Stream, repeat: int) -> float:
 def probe(fmt: str, params: int, repeat: int, dev: torch.device) -> dict:
     """One block of `fmt` through the engine's own coding path (swap/plane_codec: parts, planes,
     ANS): ratio, encode time, pinned copies raw and coded, copy + decode into a slot, exactness."""
-    common.pack_without_comfyui()
+    pack_without_comfyui()
     from ringswap.swap.plane_codec import AnsPlanes, decode_block, encode_block
     flat = block_bytes(fmt, params, dev)
     planes = AnsPlanes(dev)
