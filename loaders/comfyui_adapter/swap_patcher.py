@@ -166,7 +166,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
                       progress=live_feed.progress_bar(), compress=compress)
         if compress and split is not None and split.file_blocks:   # coded homes left room for more
             split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
-            if split.ram_blocks > frozenset(ram_blocks):
+            if len(split.ram_blocks) > len(ram_blocks):
                 engine.reattach(plan.residency, split.ram_blocks, after_oom=False)
         live_feed.observe(engine, self.ringswap_node)
         try:
