@@ -40,17 +40,20 @@ class Coding:
         self.pays: bool | None = None     # None: not tried yet; False: the first block did not shrink
         self.scratch: torch.Tensor | None = None
         self.encoded = (0, 0, 0.0)        # raw bytes, coded bytes, seconds: what was coded so far
-        self.decode_rate = 0.0            # decoded bytes a second (copy + decode), from the check
+        self.decode_rate = 0.0            # decoded bytes a second (copy + decode), from the check; 0: not timed
+        self.checked = False
 
     @property
     def ratio(self) -> float:
         raw, coded, _ = self.encoded
         return coded / raw if raw else 1.0
 
-    def code_homes(self, states: list, pool: HostPool, blocks: list[int]) -> int:
+    def code_homes(self, states: list, pool: HostPool, blocks: list[int], link_bytes_per_s: float = 0.0) -> int:
         """Replace the raw RAM homes of `blocks` by coded ones (each uploaded, coded on the device,
         downloaded); the blocks' parameters are unbound from the dropped home. Stops, leaving the
-        rest raw, if a block does not shrink below PAYS_RATIO. Returns the bytes saved."""
+        rest raw, if a block does not shrink below PAYS_RATIO, or if the first one's copy and
+        decode run slower than `link_bytes_per_s` (the measured link: a raw copy would be faster).
+        Returns the bytes saved."""
         todo = [i for i in blocks if i in pool.blocks and i not in pool.coded and states[i].layout.nbytes]
         if not todo or self.pays is False:
             return 0
@@ -72,8 +75,13 @@ class Coding:
                     log.info("RingSwap compress: a block codes to %.2f of its bytes (over %.2f): blocks stay raw",
                              block.coded_bytes / n, PAYS_RATIO)
                     break
-                if self.decode_rate == 0.0:
+                if not self.checked:
                     self._check(block, work[:n])
+                if 0 < self.decode_rate < link_bytes_per_s:
+                    self.pays = False
+                    log.info("RingSwap compress: copy + decode %.1f GB/s is slower than the link's %.1f GB/s: "
+                             "blocks stay raw", self.decode_rate / 1e9, link_bytes_per_s / 1e9)
+                    break
                 self.pays = True
                 pool.drop(i)
                 pool.coded[i] = block
@@ -118,20 +126,24 @@ class Coding:
             t0 = time.perf_counter()
             self.decode(block, out)
             secs = time.perf_counter() - t0
-        else:
+        else:   # a first decode warms the coder up; the second, from page-locked memory, is timed
+            pinned = block.home.pin()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
+                self.decode(block, out)
                 start.record(stream)
                 self.decode(block, out)
                 end.record(stream)
             end.synchronize()
-            secs = start.elapsed_time(end) / 1000.0
+            secs = start.elapsed_time(end) / 1000.0 if pinned else 0.0
+            block.home.unpin()
         self.scratch = None
         if not torch.equal(out, raw):
             raise RuntimeError("RingSwap compress: the plane coder did not give a block back bit for bit; "
                                "use compress=off and report this (nvCOMP version, GPU)")
-        self.decode_rate = raw.numel() / max(secs, 1e-9)
+        self.checked = True
+        self.decode_rate = raw.numel() / secs if secs > 0 else 0.0
 
     def make_scratch(self, pool: HostPool, blocks) -> None:
         """Device scratch for decoding these blocks' coded homes: two halves on CUDA (see decode_block)."""

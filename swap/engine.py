@@ -166,7 +166,8 @@ class BlockSwapEngine:
         if compress or self.pool.coded:   # coded homes decode with a coder for this device
             self.coding = coding_for(self.coding, self.coder_factory, device)
         if compress:
-            self.coding.code_homes(self.states, self.pool, [i for i in plan.streamed if i in keep])
+            self.coding.code_homes(self.states, self.pool, [i for i in plan.streamed if i in keep],
+                                   self.link_bytes_per_s)
         pinning = home.lock_early(self.pool, device, pin_memory, [i for i in plan.streamed if i in keep])
         try:
             if file_streamed or any(not self.pool.has(i) for i in placing):

@@ -167,3 +167,19 @@ def test_home_auto_keeps_an_outgoing_models_resident_blocks_coded():
     assert src.reads == reads and engine.read_back == (0, 0.0)
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
+
+
+def test_coding_slower_than_the_measured_link_leaves_the_blocks_raw(caplog):
+    """Where the first block's copy and decode run slower than the link measured earlier, a raw
+    copy is faster: nothing is coded (said in the log), and the run is exact."""
+    blocks = bf16_blocks()
+    ref = run(blocks, X)
+    engine = BlockSwapEngine(list(blocks))
+    engine.coder_factory = ZlibPlanes
+    engine.link_bytes_per_s = 1e18   # a link no decode keeps up with
+    with caplog.at_level("INFO", logger="ringswap.coding"):
+        engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    assert not engine.pool.coded and engine.coding.pays is False and engine.coding.decode_rate > 0
+    assert "slower than the link" in caplog.text
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
