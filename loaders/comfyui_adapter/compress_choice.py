@@ -58,7 +58,7 @@ def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | 
             raise RuntimeError(why_not if why_not.startswith("RingSwap") else f"RingSwap: compress='on' but {why_not}")
         if why_not not in _said:
             _said.add(why_not)
-            log.info("RingSwap compress auto: off (%s)", why_not.split(";")[0])
+            log.info("RingSwap compress auto: off (%s)", why_not.removeprefix("RingSwap compress: "))
         return False, ""
     if not ram_homes:
         return False, "compress: nothing streams from RAM"
