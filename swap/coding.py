@@ -37,15 +37,16 @@ class Coding:
     def __init__(self, coder: PlaneCoder, device: torch.device):
         self.coder = coder
         self.device = device
+        self.part_bytes = getattr(coder, "part_bytes", PART_BYTES)   # a coder may ask for smaller parts
         self.pays: bool | None = None     # None: not tried yet; False: the first block did not shrink
         self.scratch: torch.Tensor | None = None
-        self.encoded = (0, 0, 0.0)        # raw bytes, coded bytes, seconds: what was coded so far
+        self.encoded = (0, 0)             # raw bytes, coded bytes: what was coded so far
         self.decode_rate = 0.0            # decoded bytes a second (copy + decode), from the check; 0: not timed
         self.checked = False
 
     @property
     def ratio(self) -> float:
-        raw, coded, _ = self.encoded
+        raw, coded = self.encoded
         return coded / raw if raw else 1.0
 
     def code_homes(self, states: list, pool: HostPool, blocks: list[int], link_bytes_per_s: float = 0.0) -> int:
@@ -68,8 +69,7 @@ class Coding:
                 n = states[i].layout.nbytes
                 chunks.upload(pool.blocks[i].flat, work[:n])
                 chunks.synchronize()
-                block = encode_block(self.coder, work[:n], getattr(self.coder, "part_bytes", PART_BYTES),
-                                     planes=_planes(states[i].layout))
+                block = encode_block(self.coder, work[:n], self.part_bytes, planes=_planes(states[i].layout))
                 if block.coded_bytes > PAYS_RATIO * n:
                     self.pays = False
                     log.info("RingSwap compress: a block codes to %.2f of its bytes (over %.2f): blocks stay raw",
@@ -87,34 +87,20 @@ class Coding:
                 pool.coded[i] = block
                 states[i].unbind(torch.device("cpu"))
                 raw, coded, count = raw + n, coded + block.coded_bytes, count + 1
-        r, c, s = self.encoded
-        self.encoded = (r + raw, c + coded, s + time.perf_counter() - t0)
+        self.encoded = (self.encoded[0] + raw, self.encoded[1] + coded)
         if raw:
             log.info("RingSwap compress: coded %d blocks, %.2f GB -> %.2f GB (%.3f) in %.2f s", count, raw / 1e9,
                      coded / 1e9, coded / raw, time.perf_counter() - t0)
         return raw - coded
 
-    def capture_resident(self, states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int) -> None:
-        """Code resident blocks without a home straight from their device buffers into coded homes,
-        in order, while they fit in `nbytes` (home=auto keeping an outgoing model in RAM: an
-        expert switch then places it from there at its coded size)."""
-        done, t0, part = 0, time.perf_counter(), getattr(self.coder, "part_bytes", PART_BYTES)
-        for i in resident:
-            s = states[i]
-            if s.device_buffer is None or pool.has(i):
-                continue
-            try:
-                block = encode_block(self.coder, s.device_buffer, part, planes=_planes(s.layout))
-            except (OSError, RuntimeError) as e:
-                log.info("RingSwap compress: no more memory to keep resident blocks coded (%s)", e)
-                break
-            if done + block.coded_bytes > nbytes:
-                break
-            pool.coded[i] = block
-            done += block.coded_bytes
-        if done:
-            log.info("RingSwap: kept %.2f GB of resident blocks coded in RAM for the next load (%.2f s; room %.2f GB)",
-                     done / 1e9, time.perf_counter() - t0, nbytes / 1e9)
+    def keep(self, s, pool: HostPool, room: int) -> int:
+        """A coded home for resident block `s`, coded straight from its device buffer; its bytes
+        (0: it does not fit in `room`). See home.capture_resident."""
+        block = encode_block(self.coder, s.device_buffer, self.part_bytes, planes=_planes(s.layout))
+        if block.coded_bytes > room:
+            return 0
+        pool.coded[s.index] = block
+        return block.coded_bytes
 
     def _check(self, block: CodedBlock, raw: torch.Tensor) -> None:
         """Decode the first coded block and compare it with its bytes (a coder that is not bit-exact
@@ -156,6 +142,11 @@ class Coding:
         """Enqueue the block's copy (on `copy_stream` where given, on CUDA) and decode into `out`
         (on the current stream)."""
         decode_block(self.coder, block, self.scratch, out, copy_stream if self.coder.stream is not None else None)
+
+    def land(self, copier, block: CodedBlock, out: torch.Tensor, after):
+        """Copy and decode `block` into `out` once `after` has happened: the parts on `copier`'s
+        stream, the decodes on the coder's; returns the completion event, timed as a copy."""
+        return copier.enqueue(lambda: self.decode(block, out, copier.stream), after, stream=self.coder.stream)
 
     def release(self) -> None:
         self.scratch = None

@@ -229,9 +229,8 @@ class BlockSwapEngine:
         try:
             att.copier.synchronize()
             if self.home == "auto" and capture_bytes > 0 and att.on_land is None:
-                coded = att.compress and self.coding is not None and self.coding.pays
-                capture = self.coding.capture_resident if coded else home.capture_resident
-                capture(self.states, self.pool, att.plan.resident, capture_bytes)
+                coding = self.coding if att.compress and self.coding is not None and self.coding.pays else None
+                home.capture_resident(self.states, self.pool, att.plan.resident, capture_bytes, coding)
         finally:
             if att.readahead is not None:
                 att.readahead.release_all()

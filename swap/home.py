@@ -104,25 +104,33 @@ def capture(states: list, pool: HostPool) -> None:
         maps.page_out(current)
 
 
-def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int) -> None:
-    """Copy resident blocks without a home from the device into new homes, in order, while
-    they fit in `nbytes` (stops where host memory runs out)."""
+def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int, coding=None) -> None:
+    """Give resident blocks without a home one copied from the device, in order, while they fit
+    in `nbytes` (stops where memory runs out): raw homes, or with `coding` (swap/coding.py)
+    coded ones, so an expert switch holds and places them at their coded size."""
     done, t0 = 0, time.perf_counter()
     with PinnedChunks() as chunks:
         for i in resident:
             s = states[i]
-            if s.device_buffer is None or pool.has(i) or done + s.layout.nbytes > nbytes:
+            if s.device_buffer is None or pool.has(i):
                 continue
             try:
-                buf = pool.add(i, s.layout.nbytes)
+                done += coding.keep(s, pool, nbytes - done) if coding is not None else \
+                    _keep_raw(s, pool, chunks, nbytes - done)
             except (OSError, RuntimeError) as e:
-                log.info("RingSwap: no more host memory for resident blocks (%s)", e)
+                log.info("RingSwap: no more memory to keep resident blocks (%s)", e)
                 break
-            chunks.download(s.device_buffer, buf.flat)
-            done += s.layout.nbytes
     if done:
-        log.info("RingSwap: kept %.2f GB of resident blocks in RAM for the next load (%.2f s; room %.2f GB)",
-                 done / 1e9, time.perf_counter() - t0, nbytes / 1e9)
+        log.info("RingSwap: kept %.2f GB of resident blocks%s in RAM for the next load (%.2f s; room %.2f GB)",
+                 done / 1e9, " coded" if coding is not None else "", time.perf_counter() - t0, nbytes / 1e9)
+
+
+def _keep_raw(s, pool: HostPool, chunks: PinnedChunks, room: int) -> int:
+    """A raw home for resident block `s`, downloaded from the device; its bytes (0: no room)."""
+    if s.layout.nbytes > room:
+        return 0
+    chunks.download(s.device_buffer, pool.add(s.index, s.layout.nbytes).flat)
+    return s.layout.nbytes
 
 
 def settle(kind: str, states: list, pool: HostPool, att) -> None:

@@ -40,8 +40,7 @@ def place(pool: HostPool, att: Attachment, s: BlockState, chunks: PinnedChunks, 
     read = 0
     home_buf, coded = pool.blocks.get(s.index), pool.coded.get(s.index)
     if coded is not None:
-        out = s.device_buffer
-        att.copier.enqueue(lambda: coding.decode(coded, out, att.copier.stream), None, stream=coding.coder.stream)
+        coding.land(att.copier, coded, s.device_buffer, None)
     elif home_buf is not None and home_buf.pinned:
         att.copier.copy(s.device_buffer, home_buf.flat, None)
     elif home_buf is not None:

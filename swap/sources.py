@@ -41,11 +41,9 @@ class CodedSource:
         self.engine, self.att = engine, att
 
     def start(self, block: int, slot: Slot) -> None:
-        coding, coded = self.engine.coding, self.engine.pool.coded[block]
+        coded = self.engine.pool.coded[block]
         slot.reading = False
-        copier = self.att.copier
-        slot.ready = copier.enqueue(lambda: coding.decode(coded, slot.flat[:coded.nbytes], copier.stream), slot.free,
-                                    stream=coding.coder.stream)
+        slot.ready = self.engine.coding.land(self.att.copier, coded, slot.flat[:coded.nbytes], slot.free)
 
 
 class FileSource:

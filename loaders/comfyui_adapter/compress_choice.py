@@ -29,13 +29,9 @@ def nvcomp_missing() -> str | None:
     return None
 
 
-def could_code(mode: str, device: torch.device) -> bool:
-    """May this load decode blocks on `device` (so its plan counts the decode scratch)?"""
-    return mode != "off" and device.type == "cuda" and nvcomp_missing() is None
-
-
-def scratch_bytes(mode: str, device: torch.device) -> int:
-    return SCRATCH_BYTES if could_code(mode, device) else 0
+def scratch_bytes(mode: str, device: torch.device, own_load: bool) -> int:
+    """The decode scratch a load's plan counts: where it may code blocks (see `choose`)."""
+    return SCRATCH_BYTES if mode != "off" and own_load and device.type == "cuda" and nvcomp_missing() is None else 0
 
 
 SHARED = ("this MODEL's blocks are shared with the node that loaded it, which must find them as it left them; "

@@ -157,7 +157,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
         ram_blocks = split.ram_blocks if split is not None else None
         compress, why = compress_choice.choose(self.ringswap.compress, device, plan, split,
-                                               bool(set(engine.ram_homes(plan.residency, ram_blocks))),
+                                               bool(engine.ram_homes(plan.residency, ram_blocks)
+                                                    & set(plan.residency.streamed)),
                                                own_load=engine.read_block is not None)
         if compress:
             engine.coder_factory = compress_choice.coder_factory
