@@ -21,6 +21,12 @@ from .host_pool import HostBuffer
 NVCOMP_PACKAGES = "nvidia-nvcomp-cu13 (torch built for CUDA 13) or nvidia-nvcomp-cu12 (CUDA 12)"
 PART_BYTES = 32 << 20    # a part's raw bytes: the device scratch is two halves of ~1.5 parts, not a block
 PAYS_RATIO = 0.9         # a block coded to more than this of its bytes stays raw
+ALIGN = 16               # nvCOMP reads and writes device buffers at 16-byte aligned addresses
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
 
 
 def split_planes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +60,9 @@ class PlaneCoder(Protocol):
 @dataclass
 class CodedBlock:
     """A block's bytes as they wait in RAM and cross the link, in one host buffer. With `planes`
-    (blocks mostly of 16-bit floats) per part its coded high plane then its raw low plane;
-    without (one-byte formats: fp8, packed nvfp4) per part all its bytes coded. `parts`: (offset
-    in the block, the part's bytes, offset in `home`, coded bytes)."""
+    (blocks mostly of 16-bit floats) per part its coded high plane, padded to ALIGN, then its raw
+    low plane; without (one-byte formats: fp8, packed nvfp4) per part all its bytes coded.
+    `parts`: (offset in the block, the part's bytes, offset in `home`, coded bytes)."""
     home: HostBuffer
     parts: tuple[tuple[int, int, int, int], ...]
     nbytes: int
@@ -67,9 +73,9 @@ class CodedBlock:
         return self.home.nbytes
 
     def scratch_bytes(self) -> int:
-        """Device scratch a decode needs: the largest part's coded bytes (with planes, plus its
-        raw low plane and its decoded high plane)."""
-        return max(c + (n if self.planes else 0) for _, n, _, c in self.parts)
+        """Device scratch a decode needs, a multiple of ALIGN: the largest part's coded bytes (with
+        planes, plus its raw low plane and its decoded high plane, each from an aligned offset)."""
+        return max(aligned(c) + (2 * aligned(n // 2) if self.planes else 0) for _, n, _, c in self.parts)
 
 
 def wants_planes(dtypes_bytes: dict[int, int], nbytes: int) -> bool:
@@ -88,13 +94,14 @@ def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_B
             pieces.append((off, part.numel(), coder.encode(high), low))
         else:
             pieces.append((off, part.numel(), coder.encode(part), part[:0]))
-    home = HostBuffer(sum(c.numel() + low.numel() for _, _, c, low in pieces))
+    home = HostBuffer(sum(aligned(c.numel()) + low.numel() for _, _, c, low in pieces))
     parts, pos = [], 0
     for off, size, coded, low in pieces:
-        home.flat[pos:pos + coded.numel()].copy_(coded)
-        home.flat[pos + coded.numel():pos + coded.numel() + low.numel()].copy_(low)
-        parts.append((off, size, pos, coded.numel()))
-        pos += coded.numel() + low.numel()
+        c = coded.numel()
+        home.flat[pos:pos + c].copy_(coded)
+        home.flat[pos + aligned(c):pos + aligned(c) + low.numel()].copy_(low)
+        parts.append((off, size, pos, c))
+        pos += aligned(c) + low.numel()
     return CodedBlock(home, tuple(parts), n, planes)
 
 
@@ -106,31 +113,32 @@ def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, ou
     `copy_stream` into two halves taken in turn, so a part crosses the link while the one before
     is decoded."""
     halves = 2 if copy_stream is not None else 1
-    room = scratch.numel() // halves
+    room = scratch.numel() // halves // ALIGN * ALIGN
     decoding = torch.cuda.current_stream(scratch.device) if copy_stream is not None else None
     if decoding is not None:
         copy_stream.wait_stream(decoding)   # after what the decodes wait for (the slot's free event)
     freed: list = [None, None]
     for k, (off, size, pos, c) in enumerate(block.parts):
         half = size // 2 if block.planes else 0
+        span = aligned(c) + half if block.planes else c   # coded, padding, low plane: one copy
         base = (k % halves) * room
-        landed = scratch[base:base + c + half]
+        landed = scratch[base:base + span]
         if decoding is None:
-            landed.copy_(block.home.flat[pos:pos + c + half], non_blocking=True)
+            landed.copy_(block.home.flat[pos:pos + span], non_blocking=True)
         else:
             if freed[k % 2] is not None:
                 copy_stream.wait_event(freed[k % 2])   # the decode two parts back is done with this half
             with torch.cuda.stream(copy_stream):
-                landed.copy_(block.home.flat[pos:pos + c + half], non_blocking=True)
+                landed.copy_(block.home.flat[pos:pos + span], non_blocking=True)
                 arrived = torch.cuda.Event()
                 arrived.record(copy_stream)
             decoding.wait_event(arrived)
         if not block.planes:
             coder.decode(landed, out[off:off + size])
         else:
-            high = scratch[base + c + half:base + c + 2 * half]
+            high = scratch[base + aligned(span):base + aligned(span) + half]
             coder.decode(landed[:c], high)
-            join_planes(high, landed[c:], out[off:off + size])
+            join_planes(high, landed[aligned(c):], out[off:off + size])
         if decoding is not None:
             freed[k % 2] = torch.cuda.Event()
             freed[k % 2].record(decoding)

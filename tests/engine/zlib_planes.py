@@ -7,7 +7,7 @@ import torch
 
 class ZlibPlanes:
     stream = None
-    part_bytes = 1000
+    part_bytes = 1024
 
     def __init__(self, device=None):
         self.decodes = 0
@@ -17,6 +17,7 @@ class ZlibPlanes:
 
     def decode(self, coded: torch.Tensor, out: torch.Tensor) -> None:
         self.decodes += 1
+        assert coded.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0, "nvCOMP reads and writes 16-byte aligned buffers"
         out.copy_(torch.frombuffer(bytearray(zlib.decompress(coded.numpy().tobytes())), dtype=torch.uint8))
 
 
