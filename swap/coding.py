@@ -41,8 +41,9 @@ class Coding:
         self.pays: bool | None = None     # None: not tried yet; False: the first block did not shrink
         self.scratch: torch.Tensor | None = None
         self.encoded = (0, 0)             # raw bytes, coded bytes: what was coded so far
-        self.decode_rate = 0.0            # decoded bytes a second (copy + decode), from the check; 0: not timed
+        self.decode_rate = 0.0            # bytes a second the decode alone gives back, from the check; 0: not timed
         self.checked = False
+        self.freed: list = [None, None]   # the decodes last done with each scratch half (decode_block)
 
     @property
     def ratio(self) -> float:
@@ -52,9 +53,9 @@ class Coding:
     def code_homes(self, states: list, pool: HostPool, blocks: list[int], link_bytes_per_s: float = 0.0) -> int:
         """Replace the raw RAM homes of `blocks` by coded ones (each uploaded, coded on the device,
         downloaded); the blocks' parameters are unbound from the dropped home. Stops, leaving the
-        rest raw, if a block does not shrink below PAYS_RATIO, or if the first one's copy and
-        decode run slower than `link_bytes_per_s` (the measured link: a raw copy would be faster).
-        Returns the bytes saved."""
+        rest raw, if a block does not shrink below PAYS_RATIO, or if at `link_bytes_per_s` (the
+        link measured earlier; 0: not yet) its coded copy followed by its decode takes longer than
+        a raw copy. Returns the bytes saved."""
         todo = [i for i in blocks if i in pool.blocks and i not in pool.coded and states[i].layout.nbytes]
         if not todo or self.pays is False:
             return 0
@@ -77,10 +78,11 @@ class Coding:
                     break
                 if not self.checked:
                     self._check(block, work[:n])
-                if 0 < self.decode_rate < link_bytes_per_s:
+                if not self.faster(block, link_bytes_per_s):
                     self.pays = False
-                    log.info("RingSwap compress: copy + decode %.1f GB/s is slower than the link's %.1f GB/s: "
-                             "blocks stay raw", self.decode_rate / 1e9, link_bytes_per_s / 1e9)
+                    log.info("RingSwap compress: at the link's %.1f GB/s a coded copy (%.2f x) and its decode "
+                             "(%.1f GB/s) take longer than a raw copy: blocks stay raw", link_bytes_per_s / 1e9,
+                             block.coded_bytes / n, self.decode_rate / 1e9)
                     break
                 self.pays = True
                 pool.drop(i)
@@ -93,6 +95,14 @@ class Coding:
                      coded / 1e9, coded / raw, time.perf_counter() - t0)
         return raw - coded
 
+    def faster(self, block: CodedBlock, link_bytes_per_s: float) -> bool:
+        """Whether a coded copy then its decode beat a raw copy at `link_bytes_per_s` (true where
+        either is not measured). Counted one after the other: a decode that hides under the next
+        part's copy still takes the GPU from compute."""
+        if link_bytes_per_s <= 0 or self.decode_rate <= 0:
+            return True
+        return block.coded_bytes / link_bytes_per_s + block.nbytes / self.decode_rate < block.nbytes / link_bytes_per_s
+
     def keep(self, s, pool: HostPool, room: int) -> int:
         """A coded home for resident block `s`, coded straight from its device buffer; its bytes
         (0: it does not fit in `room`). See home.capture_resident."""
@@ -104,7 +114,7 @@ class Coding:
 
     def _check(self, block: CodedBlock, raw: torch.Tensor) -> None:
         """Decode the first coded block and compare it with its bytes (a coder that is not bit-exact
-        is refused here, not found in the output), timing the copy and decode."""
+        is refused here, not found in the output), timing the decode alone."""
         out = torch.empty_like(raw)
         self.scratch = empty_bytes(block.scratch_bytes(), self.device)   # one half: copies on the decode stream
         stream = self.coder.stream
@@ -112,17 +122,21 @@ class Coding:
             t0 = time.perf_counter()
             self.decode(block, out)
             secs = time.perf_counter() - t0
-        else:   # a first decode warms the coder up; the second, from page-locked memory, is timed
+        else:   # after a warm-up, a copy of the coded bytes, then the copies and decodes: the difference
             pinned = block.home.pin()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            landed = empty_bytes(block.coded_bytes, self.device)
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 self.decode(block, out)
-                start.record(stream)
+                marks[0].record(stream)
+                landed.copy_(block.home.flat, non_blocking=True)
+                marks[1].record(stream)
                 self.decode(block, out)
-                end.record(stream)
-            end.synchronize()
-            secs = start.elapsed_time(end) / 1000.0 if pinned else 0.0
+                marks[2].record(stream)
+            marks[2].synchronize()
+            copy_ms, both_ms = marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
+            secs = max(both_ms - copy_ms, 0.02 * both_ms) / 1000.0 if pinned else 0.0
             block.home.unpin()
         self.scratch = None
         if not torch.equal(out, raw):
@@ -137,16 +151,22 @@ class Coding:
         need *= 2 if self.coder.stream is not None else 1
         if need and (self.scratch is None or self.scratch.numel() < need):
             self.scratch = empty_bytes(need, self.device)
+            self.freed = [None, None]
 
-    def decode(self, block: CodedBlock, out: torch.Tensor, copy_stream: "torch.cuda.Stream | None" = None) -> None:
-        """Enqueue the block's copy (on `copy_stream` where given, on CUDA) and decode into `out`
-        (on the current stream)."""
-        decode_block(self.coder, block, self.scratch, out, copy_stream if self.coder.stream is not None else None)
+    def decode(self, block: CodedBlock, out: torch.Tensor, copy_stream: "torch.cuda.Stream | None" = None,
+               after: "torch.cuda.Event | None" = None) -> None:
+        """Enqueue the block's copy (on `copy_stream` where given, on CUDA, once `after` has
+        happened) and decode into `out` (on the current stream)."""
+        if self.coder.stream is None:
+            decode_block(self.coder, block, self.scratch, out)
+        else:
+            decode_block(self.coder, block, self.scratch, out, copy_stream, after, self.freed)
 
     def land(self, copier, block: CodedBlock, out: torch.Tensor, after):
         """Copy and decode `block` into `out` once `after` has happened: the parts on `copier`'s
         stream, the decodes on the coder's; returns the completion event, timed as a copy."""
-        return copier.enqueue(lambda: self.decode(block, out, copier.stream), after, stream=self.coder.stream)
+        return copier.enqueue(lambda: self.decode(block, out, copier.stream, after), after, stream=self.coder.stream)
 
     def release(self) -> None:
         self.scratch = None
+        self.freed = [None, None]

@@ -106,18 +106,21 @@ def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_B
 
 
 def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, out: torch.Tensor,
-                 copy_stream: "torch.cuda.Stream | None" = None) -> None:
+                 copy_stream: "torch.cuda.Stream | None" = None, after: "torch.cuda.Event | None" = None,
+                 freed: "list | None" = None) -> None:
     """Enqueue each part's copy into the scratch, its decode and its re-interleave into `out` (the
     block's bytes), the decodes on the current stream. `scratch`: device uint8 of at least
     `block.scratch_bytes()`, or with `copy_stream` (CUDA) twice that: the copies then run on
     `copy_stream` into two halves taken in turn, so a part crosses the link while the one before
-    is decoded."""
+    is decoded. There the copies wait only for `after` (the slot is free) and for the decodes last
+    done with their half, `freed` (two events, kept by the caller from block to block), not for
+    the previous block's decodes."""
     halves = 2 if copy_stream is not None else 1
     room = scratch.numel() // halves // ALIGN * ALIGN
     decoding = torch.cuda.current_stream(scratch.device) if copy_stream is not None else None
-    if decoding is not None:
-        copy_stream.wait_stream(decoding)   # after what the decodes wait for (the slot's free event)
-    freed: list = [None, None]
+    freed = freed if freed is not None else [None, None]
+    if decoding is not None and after is not None:
+        copy_stream.wait_event(after)
     for k, (off, size, pos, c) in enumerate(block.parts):
         half = size // 2 if block.planes else 0
         span = aligned(c) + half if block.planes else c   # coded, padding, low plane: one copy
@@ -127,7 +130,7 @@ def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, ou
             landed.copy_(block.home.flat[pos:pos + span], non_blocking=True)
         else:
             if freed[k % 2] is not None:
-                copy_stream.wait_event(freed[k % 2])   # the decode two parts back is done with this half
+                copy_stream.wait_event(freed[k % 2])
             with torch.cuda.stream(copy_stream):
                 landed.copy_(block.home.flat[pos:pos + span], non_blocking=True)
                 arrived = torch.cuda.Event()

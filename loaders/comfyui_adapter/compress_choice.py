@@ -80,6 +80,6 @@ def line(engine, why: str, streamed: tuple[int, ...], calls_per_step: int) -> st
     raw = sum(engine.states[i].layout.nbytes for i in coded)
     saved = raw - sum(engine.pool.coded[i].coded_bytes for i in coded)
     rate = engine.coding.decode_rate if engine.coding is not None else 0.0
-    decode = f", copy + decode ~{raw / len(coded) / rate * 1e3:.1f} ms a block" if rate else ""
+    decode = f", decode ~{raw / len(coded) / rate * 1e3:.1f} ms a block" if rate else ""
     return (f"{why}: {len(coded)} blocks coded to {1 - saved / raw:.2f} x, {saved / 1e9:.1f} GB less in RAM "
             f"and {calls_per_step * saved / 1e9:.1f} GB less over the link a step{decode}")

@@ -170,8 +170,8 @@ def test_home_auto_keeps_an_outgoing_models_resident_blocks_coded():
 
 
 def test_coding_slower_than_the_measured_link_leaves_the_blocks_raw(caplog):
-    """Where the first block's copy and decode run slower than the link measured earlier, a raw
-    copy is faster: nothing is coded (said in the log), and the run is exact."""
+    """Where at the link measured earlier the first block's coded copy and its decode take longer
+    than a raw copy: nothing is coded (said in the log), and the run is exact."""
     blocks = bf16_blocks()
     ref = run(blocks, X)
     engine = BlockSwapEngine(list(blocks))
@@ -180,6 +180,23 @@ def test_coding_slower_than_the_measured_link_leaves_the_blocks_raw(caplog):
     with caplog.at_level("INFO", logger="ringswap.coding"):
         engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
     assert not engine.pool.coded and engine.coding.pays is False and engine.coding.decode_rate > 0
-    assert "slower than the link" in caplog.text
+    assert "take longer than a raw copy" in caplog.text
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
+
+
+@pytest.mark.parametrize("link_gbps, decode_gbps, faster", [
+    (55.4, 168.0, False),   # the H200's full link: 0.682/55.4 + 1/168 s a GB is more than 1/55.4
+    (27.7, 168.0, True),    # a PCIe 4.0-class link: the coded copy saves more than the decode costs
+    (27.7, 40.0, False),    # a decode slower than the bytes it saves
+    (0.0, 168.0, True),     # the link not measured yet: coded (the plan chose to)
+    (27.7, 0.0, True),      # the decode not timed (a CPU coder)
+])
+def test_coding_pays_where_coded_copy_and_decode_beat_a_raw_copy(link_gbps, decode_gbps, faster):
+    from ringswap.swap.coding import Coding
+    from ringswap.swap.host_pool import HostBuffer
+    from ringswap.swap.plane_codec import CodedBlock
+    coding = Coding(ZlibPlanes(), torch.device("cpu"))
+    coding.decode_rate = decode_gbps * 1e9
+    block = CodedBlock(HostBuffer(682), ((0, 1000, 0, 682),), 1000)
+    assert coding.faster(block, link_gbps * 1e9) is faster
