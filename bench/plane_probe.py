@@ -150,7 +150,7 @@ def pipelined(planes, block, slot: torch.Tensor, dev: torch.device, repeat: int)
 def busy_stream_waits(planes, block, dev: torch.device) -> dict:
     """Host seconds of each call a part's decode makes while the coder's own stream is busy
     (matmuls queued on it): a call that synchronizes that stream shows their time here."""
-    from ringswap.swap.plane_codec import aligned, join_planes
+    from ringswap.swap.plane_codec import aligned, decode_block, join_planes
     nv, codec, stream = planes.nvcomp, planes.codec, planes.stream
     off, size, pos, c = block.parts[0]
     half = size // 2
@@ -168,21 +168,44 @@ def busy_stream_waits(planes, block, dev: torch.device) -> dict:
              "decode_out_array": lambda: codec.decode(arr_s, out=nv.as_array(high, cuda_stream=stream.cuda_stream),
                                                       decompression_config=cfg),
              "join": lambda: join_planes(high, low, out)}
+    copy_stream = torch.cuda.Stream(dev)
+    scratch = torch.empty(2 * block.scratch_bytes(), dtype=torch.uint8, device=dev)
+    slot = torch.empty(block.nbytes, dtype=torch.uint8, device=dev)
+    whole = encode_whole(planes, block, dev)
+    calls.update({"event": lambda: torch.cuda.Event().record(stream),
+                  "copy_on_copy_stream": lambda: copy_part(copy_stream, low, block.home.flat[pos + aligned(c):pos + aligned(c) + half]),
+                  "decode_into_slot": lambda: codec.decode(arr_s, out=slot[:half], decompression_config=cfg),
+                  "decode_block": lambda: decode_block(planes, block, scratch, slot, copy_stream, None, [None, None]),
+                  "decode_block_whole": lambda: decode_block(planes, whole, scratch, slot, copy_stream, None, [None, None])})
     res = {}
-    for name, call in calls.items():
-        try:
-            with torch.cuda.stream(stream):
-                call()
-                torch.cuda.synchronize(dev)
-                for _ in range(12):
-                    a @ a
-                t0 = time.perf_counter()
-                call()
-                res[f"busy_{name}_s"] = time.perf_counter() - t0
-        except Exception as e:   # noqa: BLE001  (a call this nvCOMP does not take: say so, go on)
-            res[f"busy_{name}_s"] = f"{type(e).__name__}: {e}"[:120]
-        torch.cuda.synchronize(dev)
+    for where in ("coder", "default"):   # matmuls queued on the coder's stream, then on torch's default one
+        for name, call in calls.items():
+            try:
+                with torch.cuda.stream(stream):
+                    call()
+                    torch.cuda.synchronize(dev)
+                    with torch.cuda.stream(stream if where == "coder" else torch.cuda.default_stream(dev)):
+                        for _ in range(12):
+                            a @ a
+                    t0 = time.perf_counter()
+                    call()
+                    res[f"busy_{where}_{name}_s"] = time.perf_counter() - t0
+            except Exception as e:   # noqa: BLE001  (a call this nvCOMP does not take: say so, go on)
+                res[f"busy_{where}_{name}_s"] = f"{type(e).__name__}: {e}"[:120]
+            torch.cuda.synchronize(dev)
     return res
+
+
+def copy_part(stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
+
+
+def encode_whole(planes, block, dev: torch.device):
+    """The same block coded without planes (each part whole), to tell the join's cost from the decode's."""
+    from ringswap.swap.plane_codec import encode_block
+    flat = (torch.randn(block.nbytes // 2, device=dev) * 0.02).to(torch.bfloat16).view(torch.uint8)
+    return encode_block(planes, flat, planes=False)
 
 
 def host_waits(planes, block, scratch: torch.Tensor, slot: torch.Tensor, matmuls, dev: torch.device) -> dict:
