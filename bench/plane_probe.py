@@ -100,7 +100,7 @@ def probe(fmt: str, params: int, repeat: int, dev: torch.device) -> dict:
     out["bit_exact"] = bool(torch.equal(slot, flat))
     out.update(pipelined(planes, block, slot, dev, repeat))
     if block.planes:
-        out.update(busy_stream_waits(planes, block, dev))
+        out.update(join_variants(block.nbytes // 2, dev, repeat))
     out["bit_exact"] = out["bit_exact"] and bool(torch.equal(slot, flat))
     block.home.unpin()
     return out
@@ -193,6 +193,38 @@ def busy_stream_waits(planes, block, dev: torch.device) -> dict:
             except Exception as e:   # noqa: BLE001  (a call this nvCOMP does not take: say so, go on)
                 res[f"busy_{where}_{name}_s"] = f"{type(e).__name__}: {e}"[:120]
             torch.cuda.synchronize(dev)
+    return res
+
+
+def join_variants(n: int, dev: torch.device, repeat: int) -> dict:
+    """Seconds to re-interleave `n` high and low bytes into words: two strided copies (join_planes),
+    one torch.stack, and a Triton kernel storing whole 16-bit words."""
+    from ringswap.swap.plane_codec import join_planes
+    high, low = (torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev) for _ in range(2))
+    out = torch.empty(2 * n, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    res = {"join_copies_s": timed(lambda: join_planes(high, low, out), stream, repeat),
+           "join_stack_s": timed(lambda: torch.stack((low, high), dim=1, out=out.view(-1, 2)), stream, repeat)}
+    ref = out.clone()
+    try:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def interleave(high_ptr, low_ptr, out_ptr, count, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            keep = offs < count
+            h = tl.load(high_ptr + offs, mask=keep).to(tl.int16)
+            lo = tl.load(low_ptr + offs, mask=keep).to(tl.int16)
+            tl.store(out_ptr + offs, (h << 8) | lo, mask=keep)
+
+        words = out.view(torch.int16)
+        run = lambda: interleave[(triton.cdiv(n, 4096),)](high, low, words, n, BLOCK=4096)  # noqa: E731
+        out.zero_()
+        res["join_triton_s"] = timed(run, stream, repeat)
+        res["join_triton_exact"] = bool(torch.equal(out, ref))
+    except Exception as e:   # noqa: BLE001
+        res["join_triton_s"] = f"{type(e).__name__}: {e}"[:160]
     return res
 
 
