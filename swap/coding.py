@@ -9,7 +9,8 @@ import time
 import torch
 
 from .host_pool import HostPool, empty_bytes
-from .plane_codec import PART_BYTES, PAYS_RATIO, CodedBlock, PlaneCoder, decode_block, encode_block, wants_planes
+from .plane_codec import (PART_BYTES, PARTS_IN_FLIGHT, PAYS_RATIO, CodedBlock, PlaneCoder, decode_block,
+                          encode_block, wants_planes)
 from .staged_copy import PinnedChunks
 
 log = logging.getLogger("ringswap.coding")
@@ -43,7 +44,7 @@ class Coding:
         self.encoded = (0, 0)             # raw bytes, coded bytes: what was coded so far
         self.decode_rate = 0.0            # bytes a second the decode alone gives back, from the check; 0: not timed
         self.checked = False
-        self.freed: list = [None, None]   # the decodes last done with each scratch half (decode_block)
+        self.freed: list = [None] * PARTS_IN_FLIGHT   # the decodes last done with each scratch room (decode_block)
 
     @property
     def ratio(self) -> float:
@@ -116,7 +117,7 @@ class Coding:
         """Decode the first coded block and compare it with its bytes (a coder that is not bit-exact
         is refused here, not found in the output), timing the decode alone."""
         out = torch.empty_like(raw)
-        self.scratch = empty_bytes(block.scratch_bytes(), self.device)   # one half: copies on the decode stream
+        self.scratch = empty_bytes(block.scratch_bytes(), self.device)   # one room: copies on the decode stream
         stream = self.coder.stream
         if stream is None:
             t0 = time.perf_counter()
@@ -146,12 +147,13 @@ class Coding:
         self.decode_rate = raw.numel() / secs if secs > 0 else 0.0
 
     def make_scratch(self, pool: HostPool, blocks) -> None:
-        """Device scratch for decoding these blocks' coded homes: two halves on CUDA (see decode_block)."""
+        """Device scratch for decoding these blocks' coded homes: PARTS_IN_FLIGHT part rooms on
+        CUDA (see decode_block)."""
         need = max((pool.coded[i].scratch_bytes() for i in blocks if i in pool.coded), default=0)
-        need *= 2 if self.coder.stream is not None else 1
+        need *= PARTS_IN_FLIGHT if self.coder.stream is not None else 1
         if need and (self.scratch is None or self.scratch.numel() < need):
             self.scratch = empty_bytes(need, self.device)
-            self.freed = [None, None]
+            self.freed = [None] * PARTS_IN_FLIGHT
 
     def decode(self, block: CodedBlock, out: torch.Tensor, copy_stream: "torch.cuda.Stream | None" = None,
                after: "torch.cuda.Event | None" = None) -> None:
@@ -169,4 +171,4 @@ class Coding:
 
     def release(self) -> None:
         self.scratch = None
-        self.freed = [None, None]
+        self.freed = [None] * PARTS_IN_FLIGHT

@@ -19,7 +19,8 @@ import torch
 from .host_pool import HostBuffer
 
 NVCOMP_PACKAGES = "nvidia-nvcomp-cu13 (torch built for CUDA 13) or nvidia-nvcomp-cu12 (CUDA 12)"
-PART_BYTES = 32 << 20    # a part's raw bytes: the device scratch is two halves of ~1.5 parts, not a block
+PART_BYTES = 32 << 20    # a part's raw bytes: the device scratch holds a few parts, not a block
+PARTS_IN_FLIGHT = 4      # scratch room for parts on CUDA: copies run this many parts less one ahead
 PAYS_RATIO = 0.9         # a block coded to more than this of its bytes stays raw
 ALIGN = 16               # nvCOMP reads and writes device buffers at 16-byte aligned addresses
 
@@ -110,27 +111,25 @@ def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, ou
                  freed: "list | None" = None) -> None:
     """Enqueue each part's copy into the scratch, its decode and its re-interleave into `out` (the
     block's bytes), the decodes on the current stream. `scratch`: device uint8 of at least
-    `block.scratch_bytes()`, or with `copy_stream` (CUDA) twice that: the copies then run on
-    `copy_stream` into two halves taken in turn, so a part crosses the link while the one before
-    is decoded. There the copies wait only for `after` (the slot is free) and for the decodes last
-    done with their half, `freed` (two events, kept by the caller from block to block), not for
-    the previous block's decodes."""
-    halves = 2 if copy_stream is not None else 1
-    room = scratch.numel() // halves // ALIGN * ALIGN
+    `block.scratch_bytes()`; with `copy_stream` (CUDA) `len(freed)` times that, a ring of part
+    rooms: the copies run on `copy_stream` up to that many parts ahead of the decodes, waiting only
+    for `after` (the slot is free) and for the decode last done with their room (`freed`: one event
+    a room, kept by the caller from block to block), not for the previous block's decodes."""
+    rooms = len(freed) if copy_stream is not None and freed else 1
+    room = scratch.numel() // rooms // ALIGN * ALIGN
     decoding = torch.cuda.current_stream(scratch.device) if copy_stream is not None else None
-    freed = freed if freed is not None else [None, None]
     if decoding is not None and after is not None:
         copy_stream.wait_event(after)
     for k, (off, size, pos, c) in enumerate(block.parts):
         half = size // 2 if block.planes else 0
         span = aligned(c) + half if block.planes else c   # coded, padding, low plane: one copy
-        base = (k % halves) * room
+        base = (k % rooms) * room
         landed = scratch[base:base + span]
         if decoding is None:
             landed.copy_(block.home.flat[pos:pos + span], non_blocking=True)
         else:
-            if freed[k % 2] is not None:
-                copy_stream.wait_event(freed[k % 2])
+            if freed[k % rooms] is not None:
+                copy_stream.wait_event(freed[k % rooms])
             with torch.cuda.stream(copy_stream):
                 landed.copy_(block.home.flat[pos:pos + span], non_blocking=True)
                 arrived = torch.cuda.Event()
@@ -143,8 +142,8 @@ def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, ou
             coder.decode(landed[:c], high)
             join_planes(high, landed[aligned(c):], out[off:off + size])
         if decoding is not None:
-            freed[k % 2] = torch.cuda.Event()
-            freed[k % 2].record(decoding)
+            freed[k % rooms] = torch.cuda.Event()
+            freed[k % rooms].record(decoding)
 
 
 def nvcomp_module():
@@ -161,12 +160,13 @@ class AnsPlanes:
     """nvCOMP's ANS on one CUDA stream of its own. Each part size gets a compression config and
     the decompression config built from it, so a decode never reads a header back to the host."""
 
-    def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None):
+    def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None, data_type: str = "|u1"):
         self.nvcomp = nvcomp_module()
         self.device = torch.device(device)
         self.stream = stream or torch.cuda.Stream(self.device, priority=-1)   # decodes first where SMs free up
+        self.words = data_type == "<f2"   # ANS's 16-bit float mode: parts coded whole, as 16-bit words
         self.codec = self.nvcomp.Codec(algorithm="ANS", device_id=self.device.index or 0,
-                                       cuda_stream=self.stream.cuda_stream, data_type="|u1")
+                                       cuda_stream=self.stream.cuda_stream, data_type=data_type)
         self._configs: dict[int, tuple] = {}
 
     def _config(self, nbytes: int) -> tuple:
@@ -179,10 +179,11 @@ class AnsPlanes:
     def _array(self, t: torch.Tensor):
         return self.nvcomp.as_array(t, cuda_stream=self.stream.cuda_stream)
 
-    def encode(self, high: torch.Tensor) -> torch.Tensor:
+    def encode(self, data: torch.Tensor) -> torch.Tensor:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            coded = self.codec.encode(self._array(high), compression_config=self._config(high.numel())[0])
+            source = data.view(torch.float16) if self.words else data
+            coded = self.codec.encode(self._array(source), compression_config=self._config(data.numel())[0])
             out = torch.as_tensor(coded, device=self.device).view(torch.uint8).reshape(-1).clone()
         self.stream.synchronize()
         return out

@@ -8,14 +8,14 @@ import logging
 
 import torch
 
-from ...swap.plane_codec import PART_BYTES, AnsPlanes, nvcomp_module
+from ...swap.plane_codec import PART_BYTES, PARTS_IN_FLIGHT, AnsPlanes, nvcomp_module
 from ...swap.planner import WindowPlan
 from ...swap.ram_plan import RamSplit
 
 log = logging.getLogger("ringswap.compress")
 
 COMPRESS_MODES = ("auto", "on", "off")
-SCRATCH_BYTES = 2 * (PART_BYTES * 3 // 2 + (4 << 20))   # two halves: a part's coded bytes and decoded plane
+SCRATCH_BYTES = PARTS_IN_FLIGHT * (PART_BYTES * 3 // 2 + (4 << 20))   # part rooms: coded bytes, low and high planes
 _said: set[str] = set()   # auto's "off" reasons already logged (one line each per process)
 
 

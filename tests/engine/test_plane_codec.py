@@ -83,6 +83,29 @@ def test_ans_planes_round_trip_on_cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("data_type", ["|u1", "<f2"])
+def test_pipelined_decode_of_blocks_back_to_back_on_cuda(data_type):
+    """The engine's way: copies on a copy stream into a ring of part rooms, up to three parts ahead,
+    two blocks one after the other sharing the rooms' events; planes with bytes, or whole parts in
+    ANS's 16-bit float mode."""
+    dev = _cuda_nvcomp()
+    from ringswap.swap.plane_codec import PARTS_IN_FLIGHT, AnsPlanes
+    coder = AnsPlanes(dev, data_type=data_type)
+    flats = [(torch.randn(3 << 20, device=dev) * 0.02).bfloat16().view(torch.uint8) for _ in range(2)]
+    blocks = [encode_block(coder, f, part_bytes=1 << 20, planes=data_type == "|u1") for f in flats]
+    assert all(b.coded_bytes < 0.9 * b.nbytes for b in blocks)
+    for b in blocks:
+        b.home.pin()
+    scratch = torch.empty(PARTS_IN_FLIGHT * max(b.scratch_bytes() for b in blocks), dtype=torch.uint8, device=dev)
+    outs, freed, copy_stream = [torch.zeros_like(f) for f in flats], [None] * PARTS_IN_FLIGHT, torch.cuda.Stream(dev)
+    with torch.cuda.stream(coder.stream):
+        for b, out in zip(blocks, outs):
+            decode_block(coder, b, scratch, out, copy_stream, None, freed)
+    coder.stream.synchronize()
+    assert all(torch.equal(o, f) for o, f in zip(outs, flats))
+
+
+@pytest.mark.gpu
 def test_engine_streams_coded_blocks_bit_exact_on_cuda():
     """The engine with nvCOMP-coded homes on CUDA: every window and prefetch bit-exact, pinned."""
     dev = _cuda_nvcomp()
