@@ -71,7 +71,7 @@ class Coding:
                 n = states[i].layout.nbytes
                 chunks.upload(pool.blocks[i].flat, work[:n])
                 chunks.synchronize()
-                block = encode_block(self.coder, work[:n], self.part_bytes, planes=_planes(states[i].layout))
+                block = encode_block(self.coder, work[:n], self.part_bytes, _planes(states[i].layout), chunks.download)
                 if block.coded_bytes > PAYS_RATIO * n:
                     self.pays = False
                     log.info("RingSwap compress: a block codes to %.2f of its bytes (over %.2f): blocks stay raw",
@@ -104,10 +104,11 @@ class Coding:
             return True
         return block.coded_bytes / link_bytes_per_s + block.nbytes / self.decode_rate < block.nbytes / link_bytes_per_s
 
-    def keep(self, s, pool: HostPool, room: int) -> int:
+    def keep(self, s, pool: HostPool, room: int, chunks: PinnedChunks | None = None) -> int:
         """A coded home for resident block `s`, coded straight from its device buffer; its bytes
         (0: it does not fit in `room`). See home.capture_resident."""
-        block = encode_block(self.coder, s.device_buffer, self.part_bytes, planes=_planes(s.layout))
+        block = encode_block(self.coder, s.device_buffer, self.part_bytes, _planes(s.layout),
+                             chunks.download if chunks is not None else None)
         if block.coded_bytes > room:
             return 0
         pool.coded[s.index] = block

@@ -16,6 +16,9 @@ log = logging.getLogger("ringswap.compress")
 
 COMPRESS_MODES = ("auto", "on", "off")
 SCRATCH_BYTES = PARTS_IN_FLIGHT * (PART_BYTES * 3 // 2 + (4 << 20))   # part rooms: coded bytes, low and high planes
+# Copy-bound runs are not coded by `auto` yet: on the H200 at 12 GiB with a halved link (cfg 1) the
+# decode took about as much GPU time as the shorter copies saved (1.04 x, bench/RESULTS.md 2026-12-04).
+AUTO_WHEN_COPY_BOUND = False
 _said: set[str] = set()   # auto's "off" reasons already logged (one line each per process)
 
 
@@ -29,9 +32,14 @@ def nvcomp_missing() -> str | None:
     return None
 
 
-def scratch_bytes(mode: str, device: torch.device, own_load: bool) -> int:
-    """The decode scratch a load's plan counts: where it may code blocks (see `choose`)."""
-    return SCRATCH_BYTES if mode != "off" and own_load and device.type == "cuda" and nvcomp_missing() is None else 0
+def scratch_bytes(mode: str, device: torch.device, engine) -> int:
+    """The decode scratch a load's plan counts: where it may code blocks (see `choose`; auto codes
+    copy-bound runs only with AUTO_WHEN_COPY_BOUND, else only where home=auto may run short of RAM)."""
+    if engine.pool.coded:   # coded earlier: decoded whatever the setting is now
+        return SCRATCH_BYTES
+    may = mode == "on" or (mode == "auto" and (AUTO_WHEN_COPY_BOUND or engine.home == "auto"))
+    usable = engine.read_block is not None and device.type == "cuda" and nvcomp_missing() is None
+    return SCRATCH_BYTES if may and usable else 0
 
 
 SHARED = ("this MODEL's blocks are shared with the node that loaded it, which must find them as it left them; "
@@ -56,15 +64,23 @@ def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | 
             _said.add(why_not)
             log.info("RingSwap compress auto: off (%s)", why_not.removeprefix("RingSwap compress: "))
         return False, ""
+    return decide(mode, plan.bound, bool(split is not None and split.file_blocks), ram_homes)
+
+
+def decide(mode: str, bound: str, ram_short: bool, ram_homes: bool) -> tuple[bool, str]:
+    """The decision where coding is possible: (code?, why). `bound`: the plan's verdict
+    (swap.planner.WindowPlan.bound); `ram_short`: home=auto reads some streamed blocks from the file."""
     if not ram_homes:
         return False, "compress: nothing streams from RAM"
     if mode == "on":
         return True, "compress on"
-    if split is not None and split.file_blocks:
+    if ram_short:
         return True, "compress auto: RAM is short"
-    if plan.bound == "hidden":
+    if bound in ("hidden", "resident"):
         return False, "compress auto: copies hide under compute, no block coded for this load"
-    return True, f"compress auto: {plan.bound}"
+    if not AUTO_WHEN_COPY_BOUND:
+        return False, f"compress auto: {bound}, but decoding costs about what it saves here; compress=on codes anyway"
+    return True, f"compress auto: {bound}"
 
 
 def coder_factory(device: torch.device) -> AnsPlanes:

@@ -216,3 +216,28 @@ def test_quantized_loader_workflow_equals_stock(quant_server, unet):
         got = latent_of(quant_server, entry)
         err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         assert torch.equal(got, ref), f"{fmt} home={home}: relative difference {err:.2e} from UNETLoader's latent"
+
+
+def test_compress_over_http_off_and_auto_exact_on_names_what_is_missing(server):
+    """compress through the server: off and auto give the stock latent; on where it cannot code
+    (no CUDA in CI, or no nvCOMP) fails the prompt with a message naming what is missing, and the
+    next prompt runs."""
+    from ringswap.loaders.comfyui_adapter import compress_choice
+    node = server.object_info("RingSwapModelLoader")["RingSwapModelLoader"]
+    kind, opts = node["input"]["optional"]["compress"]
+    assert kind == ["auto", "on", "off"] and opts["default"] == "auto" and "nvidia-nvcomp" in opts["tooltip"]
+    ref = latent_of(server, server.run(build_workflow(UNET, use_patch=False, seed=5, steps=2,
+                                                      filename_prefix="stock_c"), timeout=300))
+    for mode in ("off", "auto"):
+        wf = build_loader_workflow(UNET, seed=5, steps=2, filename_prefix=f"compress_{mode}")
+        wf["1"]["inputs"]["compress"] = mode
+        assert torch.equal(latent_of(server, server.run(wf, timeout=300)), ref), mode
+    if CUDA and compress_choice.nvcomp_missing() is None:
+        pytest.skip("nvCOMP and CUDA are here: compress=on codes (tests/comfyui/test_gpu.py)")
+    wf = build_loader_workflow(UNET, seed=5, steps=2, filename_prefix="compress_on")
+    wf["1"]["inputs"]["compress"] = "on"
+    with pytest.raises(ComfyServerError) as ei:
+        server.run(wf, timeout=300)
+    assert ("no CUDA device" if not CUDA else "nvidia-nvcomp-cu13") in str(ei.value), str(ei.value)
+    wf["1"]["inputs"]["compress"] = "off"
+    assert torch.equal(latent_of(server, server.run(wf, timeout=300)), ref)

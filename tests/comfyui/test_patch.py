@@ -250,3 +250,24 @@ def test_compress_on_without_cuda_or_nvcomp_is_a_clear_error_and_auto_is_off(ref
         assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
     assert caplog.text.count("RingSwap compress auto: off") == 1
     assert not model.swap_engine.pool.coded
+
+
+@pytest.mark.parametrize("mode, bound, ram_short, ram_homes, code, why", [
+    ("on", "hidden", False, True, True, "compress on"),
+    ("on", "copy-bound", False, False, False, "nothing streams from RAM"),
+    ("auto", "copy-bound", True, True, True, "RAM is short"),
+    ("auto", "hidden", True, True, True, "RAM is short"),
+    ("auto", "hidden", False, True, False, "copies hide"),
+    ("auto", "resident", False, True, False, "copies hide"),
+    ("auto", "copy-bound", False, True, False, "compress=on codes anyway"),   # AUTO_WHEN_COPY_BOUND off
+    ("auto", "unknown", False, True, False, "compress=on codes anyway"),
+    ("auto", "copy-bound", True, False, False, "nothing streams from RAM"),
+])
+def test_compress_decision_table(mode, bound, ram_short, ram_homes, code, why):
+    """Where coding is possible, whether a load codes its streamed RAM homes: on codes what streams
+    from RAM; auto where RAM is short (fewer file reads), not where copies hide, and not yet where
+    the run is only copy-bound (measured no faster, bench/RESULTS.md)."""
+    from ringswap.loaders.comfyui_adapter import compress_choice
+    assert compress_choice.AUTO_WHEN_COPY_BOUND is False
+    got, said = compress_choice.decide(mode, bound, ram_short, ram_homes)
+    assert got is code and why in said
