@@ -16,7 +16,11 @@ from .staged_copy import PinnedChunks
 log = logging.getLogger("ringswap.coding")
 
 
-def _planes(layout) -> bool:
+def _planes(coder: PlaneCoder, layout) -> bool:
+    """Split this block into byte planes: blocks mostly of 16-bit floats, unless the coder codes
+    16-bit words itself (AnsPlanes in ANS's 16-bit float mode)."""
+    if getattr(coder, "words", False):
+        return False
     by_size: dict[int, int] = {}
     for e in layout.entries:
         size = torch.empty(0, dtype=e.dtype).element_size()
@@ -71,7 +75,7 @@ class Coding:
                 n = states[i].layout.nbytes
                 chunks.upload(pool.blocks[i].flat, work[:n])
                 chunks.synchronize()
-                block = encode_block(self.coder, work[:n], self.part_bytes, _planes(states[i].layout), chunks.download)
+                block = encode_block(self.coder, work[:n], self.part_bytes, _planes(self.coder, states[i].layout), chunks.download)
                 if block.coded_bytes > PAYS_RATIO * n:
                     self.pays = False
                     log.info("RingSwap compress: a block codes to %.2f of its bytes (over %.2f): blocks stay raw",
@@ -107,7 +111,7 @@ class Coding:
     def keep(self, s, pool: HostPool, room: int, chunks: PinnedChunks | None = None) -> int:
         """A coded home for resident block `s`, coded straight from its device buffer; its bytes
         (0: it does not fit in `room`). See home.capture_resident."""
-        block = encode_block(self.coder, s.device_buffer, self.part_bytes, _planes(s.layout),
+        block = encode_block(self.coder, s.device_buffer, self.part_bytes, _planes(self.coder, s.layout),
                              chunks.download if chunks is not None else None)
         if block.coded_bytes > room:
             return 0

@@ -19,6 +19,7 @@ SCRATCH_BYTES = PARTS_IN_FLIGHT * (PART_BYTES * 3 // 2 + (4 << 20))   # part roo
 # Copy-bound runs are not coded by `auto` yet: on the H200 at 12 GiB with a halved link (cfg 1) the
 # decode took about as much GPU time as the shorter copies saved (1.04 x, bench/RESULTS.md 2026-12-04).
 AUTO_WHEN_COPY_BOUND = False
+ANS_DATA_TYPE = "|u1"   # byte planes; "<f2": ANS codes whole 16-bit words (no re-interleave), see bench/plane_probe.py
 _said: set[str] = set()   # auto's "off" reasons already logged (one line each per process)
 
 
@@ -84,7 +85,7 @@ def decide(mode: str, bound: str, ram_short: bool, ram_homes: bool) -> tuple[boo
 
 
 def coder_factory(device: torch.device) -> AnsPlanes:
-    return AnsPlanes(device)
+    return AnsPlanes(device, data_type=ANS_DATA_TYPE)
 
 
 def line(engine, why: str, streamed: tuple[int, ...], calls_per_step: int) -> str:

@@ -241,3 +241,17 @@ def test_coding_gives_the_raw_homes_ram_back():
     assert saved > 0.2 * 5 * 8 * 2**20
     assert raw_rss - coded_rss > 0.8 * saved, (raw_rss - coded_rss, saved)
     eng.detach()
+
+
+def test_a_coder_of_whole_words_gets_bf16_blocks_without_planes():
+    """A coder that codes 16-bit words itself (ANS's float mode on the GPU) gets whole parts."""
+    class WordsZlib(ZlibPlanes):
+        words = True
+    blocks = bf16_blocks()
+    ref = run(blocks, X)
+    engine = BlockSwapEngine(list(blocks))
+    engine.coder_factory = WordsZlib
+    engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    assert engine.pool.coded and not any(c.planes for c in engine.pool.coded.values())
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
