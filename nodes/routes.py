@@ -13,8 +13,10 @@ from aiohttp import web
 
 from ..loaders.comfyui_adapter import comfy_features as features
 from ..loaders.comfyui_adapter import live_feed
+from ..loaders.comfyui_adapter.compress_choice import COMPRESS_MODES
 from ..loaders.comfyui_adapter.gguf_file import model_names
 from ..loaders.comfyui_adapter.plan_request import plan_for_file
+from ..swap.engine import HOMES
 from ..swap.planner import NotEnoughVRAM
 
 # query parameter -> (type, smallest, largest, default; None = required)
@@ -23,6 +25,8 @@ PARAMS = {
     "batch": (int, 1, 4096, 1), "window": (int, 0, 1000, 0), "prefetch": (int, 0, 8, 1),
     "vram_budget_gb": (float, 0.0, 1024.0, 0.0), "conds": (int, 1, 16, 1),
 }
+# query parameter -> (the node's choices, default)
+CHOICES = {"home": (HOMES, "auto"), "compress": (COMPRESS_MODES, "auto")}
 
 
 class BadRequest(ValueError):
@@ -30,7 +34,8 @@ class BadRequest(ValueError):
 
 
 def parse(query) -> dict:
-    """The plan's numbers from the query, each checked against its range (BadRequest names it)."""
+    """The plan's numbers and choices from the query, each checked against its range or choices
+    (BadRequest names it)."""
     out = {}
     for name, (kind, lo, hi, default) in PARAMS.items():
         raw = query.get(name)
@@ -45,6 +50,11 @@ def parse(query) -> dict:
             raise BadRequest(f"'{name}' must be a{'n integer' if kind is int else ' number'}, got {raw!r}") from None
         if not lo <= value <= hi:
             raise BadRequest(f"'{name}' must be from {lo} to {hi}, got {raw}")
+        out[name] = value
+    for name, (choices, default) in CHOICES.items():
+        value = query.get(name) or default
+        if value not in choices:
+            raise BadRequest(f"'{name}' must be one of {', '.join(choices)}, got {value!r}")
         out[name] = value
     return out
 

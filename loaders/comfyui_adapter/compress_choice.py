@@ -33,13 +33,14 @@ def nvcomp_missing() -> str | None:
     return None
 
 
-def scratch_bytes(mode: str, device: torch.device, engine) -> int:
+def scratch_bytes(mode: str, device: torch.device, home: str, own_load: bool, coded: bool = False) -> int:
     """The decode scratch a load's plan counts: where it may code blocks (see `choose`; auto codes
-    copy-bound runs only with AUTO_WHEN_COPY_BOUND, else only where home=auto may run short of RAM)."""
-    if engine.pool.coded:   # coded earlier: decoded whatever the setting is now
+    copy-bound runs only with AUTO_WHEN_COPY_BOUND, else only where home=auto may run short of RAM),
+    or holds coded homes already (`coded`: decoded whatever the setting is now)."""
+    if coded:
         return SCRATCH_BYTES
-    may = mode == "on" or (mode == "auto" and (AUTO_WHEN_COPY_BOUND or engine.home == "auto"))
-    usable = engine.read_block is not None and device.type == "cuda" and nvcomp_missing() is None
+    may = mode == "on" or (mode == "auto" and (AUTO_WHEN_COPY_BOUND or home == "auto"))
+    usable = own_load and device.type == "cuda" and nvcomp_missing() is None
     return SCRATCH_BYTES if may and usable else 0
 
 

@@ -16,7 +16,7 @@ import comfy.model_management
 from ...swap.planner import PlanInputs, WindowPlan, plan_step
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_features as features
-from . import gguf_file
+from . import compress_choice, gguf_file
 from .block_lists import ALL_NAMES, find_block_lists, nonblock_bytes
 from .run_plan import tokens
 from .skeleton import build_skeleton
@@ -79,9 +79,11 @@ def free_for_run(device) -> int:
 
 
 def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: int = 1, window: int = 0,
-                  prefetch: int = 1, vram_budget_gb: float = 0.0, conds: int = 1) -> WindowPlan:
-    """The plan of a RingSwap run of `path` at this size with `conds` conds a step (cond +
-    uncond: 2), batched or not as a run would (raises NotEnoughVRAM with the numbers)."""
+                  prefetch: int = 1, vram_budget_gb: float = 0.0, conds: int = 1, home: str = "auto",
+                  compress: str = "auto") -> WindowPlan:
+    """The plan of a RingSwap Model Loader run of `path` at this size with `conds` conds a step
+    (cond + uncond: 2), batched or not as a run would (raises NotEnoughVRAM with the numbers);
+    `home` and `compress` as on the node (the decode scratch where it may code)."""
     facts = file_facts(path)
     shape = latent_shape(facts.model, width, height, frames, batch)
     device = comfy.model_management.get_torch_device()
@@ -91,7 +93,8 @@ def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: in
     def inputs(per_call: int) -> PlanInputs:
         call = [shape[0] * per_call] + list(shape[1:])
         return PlanInputs(
-            block_sizes=facts.block_sizes, nonblock_bytes=facts.nonblock_bytes, free_bytes=free,
+            block_sizes=facts.block_sizes, free_bytes=free,
+            nonblock_bytes=facts.nonblock_bytes + compress_choice.scratch_bytes(compress, device, home, own_load=True),
             reserve_bytes=reserve, activation_bytes=int(facts.model.memory_required(call)),
             activation_source="ComfyUI's estimate", budget_bytes=int(vram_budget_gb * GB),
             window=len(facts.block_sizes) if everything else window, prefetch=prefetch, device=str(device),

@@ -200,7 +200,8 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
     return PlanInputs(
         block_sizes=tuple(s.layout.nbytes + (folder.extra_bytes(s.index) if folder else 0) for s in engine.states),
         nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes if folder else 0)
-        + compress_choice.scratch_bytes(settings.compress, device, engine),
+        + compress_choice.scratch_bytes(settings.compress, device, engine.home, engine.read_block is not None,
+                                         bool(engine.pool.coded)),
         free_bytes=int(free_bytes), reserve_bytes=features.reserved_vram(source == MEASURED),
         activation_bytes=int(activation),
         activation_source=source, budget_bytes=int(settings.vram_budget_gb * GB),

@@ -139,10 +139,25 @@ def test_the_outside_file_is_not_opened(server, outside):
     ({"model": UNET, "width": 64, "height": 64, "frames": 0}, "'frames' must be from 1"),
     ({"model": UNET, "width": 64, "height": 64, "vram_budget_gb": "-1"}, "'vram_budget_gb' must be from 0.0"),
     ({"model": UNET, "width": 64, "height": 64, "vram_budget_gb": "lots"}, "'vram_budget_gb' must be a number"),
+    ({"model": UNET, "width": 64, "height": 64, "compress": "sometimes"}, "'compress' must be one of auto, on, off"),
+    ({"model": UNET, "width": 64, "height": 64, "home": "cloud"}, "'home' must be one of"),
 ])
 def test_bad_numbers_are_refused(server, query, needle):
     status, body = get(server, **query)
     assert status == 400 and needle in body["error"], body
+
+
+def test_plan_counts_the_decode_scratch_where_the_load_may_code(server):
+    """compress and home as on the Model Loader: the decode scratch is in the plan's non-block
+    bytes where that load may code (on; auto with home=auto), on CUDA with nvCOMP only."""
+    from ringswap.loaders.comfyui_adapter import compress_choice
+    base = {"model": UNET, "width": 64, "height": 64}
+    got = {(home, mode): get(server, **base, home=home, compress=mode)[1]["nonblock_bytes"]
+           for home in ("auto", "ram") for mode in ("auto", "on", "off")}
+    scratch = compress_choice.SCRATCH_BYTES if CUDA and compress_choice.nvcomp_missing() is None else 0
+    off = got[("ram", "off")]
+    assert got == {("auto", "auto"): off + scratch, ("auto", "on"): off + scratch, ("auto", "off"): off,
+                   ("ram", "auto"): off, ("ram", "on"): off + scratch, ("ram", "off"): off}
 
 
 def test_server_is_healthy_after(server):
