@@ -4,7 +4,8 @@ One block of each format (bf16 and fp16 weights N(0, 0.02) as in the bench files
 the same, scaled per tensor; random bytes for nvfp4's packed codes) coded as the engine codes a
 RAM home (32 MiB parts; bf16/fp16: the high-byte plane coded by nvCOMP's ANS, the low plane raw;
 one-byte formats: parts coded whole), and bf16/fp16 once more with ANS's 16-bit float mode on
-whole parts (`/f2` rows, no re-interleave). Per row: the ratio, pinned copies of the raw and the
+whole parts (`/f2` rows, no re-interleave), and bf16 with torch's re-interleave instead of the
+fused one (`/torch-join`). Per row: the ratio, pinned copies of the raw and the
 coded block, copy + decode one after the other, the engine's pipelined decode (a ring of 2 or 4
 part rooms) alone and beside a bf16 matmul loop (the GPU time it takes from compute), and
 exactness; for planes also the re-interleave alone, three ways. Needs nvCOMP (`.whl-nvcomp`).
@@ -142,7 +143,7 @@ def pipelined(coder, block, slot: torch.Tensor, dev: torch.device, repeat: int, 
 
 def join_variants(n: int, dev: torch.device, repeat: int) -> dict:
     """Seconds to re-interleave `n` high and low bytes into words: two strided copies (join_planes),
-    one torch.stack, and a Triton kernel storing whole 16-bit words."""
+    one torch.stack, and the fused kernel (swap/join_kernel.py) storing whole 16-bit words."""
     from ringswap.swap.plane_codec import join_planes
     high, low = (torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev) for _ in range(2))
     out = torch.empty(2 * n, dtype=torch.uint8, device=dev)
@@ -150,25 +151,11 @@ def join_variants(n: int, dev: torch.device, repeat: int) -> dict:
     res = {"join_copies_s": timed(lambda: join_planes(high, low, out), stream, repeat),
            "join_stack_s": timed(lambda: torch.stack((low, high), dim=1, out=out.view(-1, 2)), stream, repeat)}
     ref = out.clone()
-    try:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def interleave(high_ptr, low_ptr, out_ptr, count, BLOCK: tl.constexpr):
-            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            keep = offs < count
-            h = tl.load(high_ptr + offs, mask=keep).to(tl.int16)
-            lo = tl.load(low_ptr + offs, mask=keep).to(tl.int16)
-            tl.store(out_ptr + offs, (h << 8) | lo, mask=keep)
-
-        words = out.view(torch.int16)
-        out.zero_()
-        res["join_triton_s"] = timed(lambda: interleave[(triton.cdiv(n, 4096),)](high, low, words, n, BLOCK=4096),
-                                     stream, repeat)
-        res["join_triton_exact"] = bool(torch.equal(out, ref))
-    except Exception as e:   # noqa: BLE001  (no Triton here: say so, go on)
-        res["join_triton_s"] = f"{type(e).__name__}: {e}"[:160]
+    from ringswap.swap import join_kernel
+    out.zero_()
+    res["join_fused_s"] = timed(lambda: join_kernel.join(high, low, out, join_planes), stream, repeat) \
+        if join_kernel.join(high, low, out, join_planes) else "the fused join cannot run here"
+    res["join_fused_exact"] = bool(torch.equal(out, ref))
     return res
 
 
@@ -176,14 +163,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=WAN_BLOCK_PARAMS)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--formats", nargs="+", default=["bf16", "bf16/f2", "fp16", "fp16/f2", "fp8", "nvfp4"])
+    ap.add_argument("--formats", nargs="+",
+                    default=["bf16", "bf16/torch-join", "bf16/f2", "fp16", "fp16/f2", "fp8", "nvfp4"])
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for fmt in a.formats:
+        os.environ["RINGSWAP_FUSED_KERNELS"] = "0" if fmt.endswith("/torch-join") else "1"
         try:
             row = probe(fmt.split("/")[0], int(a.params), a.repeat, dev, words=fmt.endswith("/f2"))
+            row["format"] = fmt
         except Exception as e:   # noqa: BLE001  (an API mismatch is the finding: report it, go on)
             row = {"format": fmt, "error": f"{type(e).__name__}: {e}"}
         rows.append(row)

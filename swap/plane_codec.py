@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from . import join_kernel
 from .host_pool import HostBuffer
 
 NVCOMP_PACKAGES = "nvidia-nvcomp-cu13 (torch built for CUDA 13) or nvidia-nvcomp-cu12 (CUDA 12)"
@@ -46,6 +47,12 @@ def join_planes(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> tor
     words[:, 1].copy_(high)
     words[:, 0].copy_(low)
     return out
+
+
+def join_words(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> None:
+    """join_planes, in one fused pass on CUDA where it can run (swap/join_kernel.py)."""
+    if not join_kernel.join(high, low, out, join_planes):
+        join_planes(high, low, out)
 
 
 class PlaneCoder(Protocol):
@@ -152,7 +159,7 @@ def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, ou
         else:
             high = scratch[base + aligned(span):base + aligned(span) + half]
             coder.decode(landed[:c], high)
-            join_planes(high, landed[aligned(c):], out[off:off + size])
+            join_words(high, landed[aligned(c):], out[off:off + size])
         if decoding is not None:
             freed[k % rooms] = torch.cuda.Event()
             freed[k % rooms].record(decoding)

@@ -129,3 +129,30 @@ def test_engine_streams_coded_blocks_bit_exact_on_cuda():
             engine.end_run()
             engine.detach()
     assert engine.coding.pays and engine.pool.coded
+
+
+def test_join_words_on_the_cpu_is_torchs_join():
+    """Off CUDA the fused re-interleave does not run: join_words joins with torch, bit for bit."""
+    from ringswap.swap import join_kernel
+    from ringswap.swap.plane_codec import join_words
+    flat = torch.randint(0, 256, (4098,), dtype=torch.uint8)
+    high, low = split_planes(flat)
+    out = torch.empty_like(flat)
+    assert not join_kernel.join(high, low, out, join_planes)
+    join_words(high, low, out)
+    assert torch.equal(out, flat)
+
+
+@pytest.mark.gpu
+def test_fused_join_gives_torchs_bytes_on_cuda():
+    """The fused re-interleave on CUDA, at odd lengths and offsets into a slot, equals torch's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ringswap.swap import join_kernel
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for n in (1, 4095, 4096, 4097, 3 << 20):
+        flat = torch.randint(0, 256, (2 * n,), dtype=torch.uint8, device=dev)
+        high, low = split_planes(flat)
+        slot = torch.zeros(2 * n + 64, dtype=torch.uint8, device=dev)
+        assert join_kernel.join(high, low, slot[32:32 + 2 * n], join_planes), "no Triton on the GPU machine"
+        assert torch.equal(slot[32:32 + 2 * n], flat) and not slot[:32].any() and not slot[32 + 2 * n:].any()
