@@ -92,7 +92,7 @@ def _ram_targets(speeds: dict, c: dict, r: dict) -> list[str]:
     cfg = CONFIGS[c["config"]]
     ref_config = next((k for k, v in CONFIGS.items() if v.kind == "loader" and (v.comfy, v.dynamic) ==
                        (cfg.comfy, cfg.dynamic)), None)
-    ref = speeds.get(scenario({**c, "ram_gb": 0, "experts": 1}) + (ref_config, c["cap_gib"], r["tokens"]))
+    ref = speeds.get(scenario({**c, "ram_gb": 0, "experts": 1, "compress": None}) + (ref_config, c["cap_gib"], r["tokens"]))
     if not r.get("read_bytes_per_step"):
         if ref:
             x = r["s_per_step"] / ref

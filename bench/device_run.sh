@@ -38,7 +38,11 @@
 # measured rates, ~3.5 min).
 # compress-12h (issue "fewer bytes, same bits": RingSwap Loader on 0.3.75, 12 GiB, halved link, cfg 1 and 5,
 # compress off then on; needs nvCOMP: run(carry=[".whl-lean", ".whl-nvcomp"], command="RINGSWAP_WHEELS_DIR=.whl-lean
-# bash bench/device_run.sh plane-probe compress-12h"); plane-probe (bench/plane_probe.py: ratio and speed per format).
+# bash bench/device_run.sh plane-probe compress-12h"); plane-probe (bench/plane_probe.py: ratio and speed per format);
+# compress-c1-12h (the cfg 1 half of compress-12h), compress-image-12h (4,096 tokens, the image shape, off then on),
+# compress-hide-24 (24 GiB, full link, cfg 5: copies hide; off, then home=auto with compress=auto: no cost),
+# ref-24 (RingSwap Loader, home=ram, 24 GiB, all RAM) and compress-experts-48 (two bf16 experts, home=auto,
+# compress=auto, a RAM ballast leaving 48 GB: both homes in RAM, coded; held to ref-24 within 1.02 x).
 # gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~1.5 min each);
 # gap-rs (0.3.75, 7,800 tokens, + RingSwap Patch at windows 29 and 10, the 24 / 12 GiB plans),
 # gap-033-dyn (0.33 dynamic VRAM, 7,800 tokens, + window 29), ~2 min each.
@@ -138,6 +142,17 @@ for p in "$@"; do
     compress-12h) compare compress_off_12h 270 --tokens 7800 --cfgs 1 5 --links halved --caps 12 --configs rs-loader-0.3.75
                   compare compress_on_12h 300 --tokens 7800 --cfgs 1 5 --links halved --caps 12 --configs rs-loader-0.3.75 \
                     --compress on ;;
+    compress-c1-12h) compare compress_off_c1 170 --tokens 7800 --cfgs 1 --links halved --caps 12 --configs rs-loader-0.3.75
+                     compare compress_on_c1 200 --tokens 7800 --cfgs 1 --links halved --caps 12 --configs rs-loader-0.3.75 \
+                       --compress on ;;
+    compress-image-12h) compare compress_off_img 150 --tokens 4096 --cfgs 1 --links halved --caps 12 --configs rs-loader-0.3.75
+                        compare compress_on_img 170 --tokens 4096 --cfgs 1 --links halved --caps 12 --configs rs-loader-0.3.75 \
+                          --compress on ;;
+    compress-hide-24) compare compress_off_24 170 --tokens 7800 --cfgs 5 --caps 24 --configs rs-auto-0.3.75
+                      compare compress_auto_24 170 --tokens 7800 --cfgs 5 --caps 24 --configs rs-auto-0.3.75 --compress auto ;;
+    ref-24) compare ref_24 200 --tokens 7800 --configs rs-loader-0.3.75@24 ;;
+    compress-experts-48) compare experts_48_compress 500 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 48 \
+                           --experts 2 --compress auto ;;
     plane-probe) part plane_probe 150 0.3.75 0 python3 bench/plane_probe.py --json "$OUT/plane_probe.json" ;;
     read-probe) part read_probe 120 0.3.75 0 python3 bench/read_probe.py --gb 3 --workers 1 4 8 --json "$OUT/read_probe.json" ;;
     cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \

@@ -275,3 +275,17 @@ def test_a_compress_cell_is_held_to_the_same_run_without_it(slow, ratio, says):
     line = _line(compare_targets.targets([resident, plain, coded], LINK),
                  "- bf16, compress on cfg 1 link full 24 GiB rs-loader-0.3.75")
     assert f"compress x{ratio:.3f} the same run without it" in line and says in line
+
+
+def test_coded_experts_on_a_smaller_machine_are_held_to_home_ram_without_compress():
+    """Issue 29: two bf16 experts with compress under a RAM ballast, held to home=ram on the whole
+    machine (a run without compress) within 1.02 x."""
+    ref = copy.deepcopy(_cell("rs-patch-0.3.75", 24.0))
+    ref.update(config="rs-loader-0.3.75")
+    ref["rows"] = ref["rows"][:1]
+    ref["rows"][0]["s_per_step"] = 1.0
+    coded = copy.deepcopy(ref)
+    coded.update(config="rs-auto-0.3.75", ram_gb=48.0, experts=2, pages_swapped_out=0, compress="auto")
+    coded["rows"][0].update(s_per_step=1.015, rss_peak=40e9)
+    line = _line(compare_targets.targets([ref, coded], LINK), "- bf16, 2 experts, RAM 48 GB, compress auto cfg 1")
+    assert "streamed blocks in RAM: x1.015 home=ram 1.000 (ok <= 1.02)" in line, line
