@@ -130,11 +130,13 @@ def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, ou
                  freed: "list | None" = None) -> None:
     """Enqueue each part's copy into the scratch, its decode and its re-interleave into `out` (the
     block's bytes), the decodes on the current stream. `scratch`: device uint8 of at least
-    `block.scratch_bytes()`; with `copy_stream` (CUDA) `len(freed)` times that, a ring of part
-    rooms: the copies run on `copy_stream` up to that many parts ahead of the decodes, waiting only
-    for `after` (the slot is free) and for the decode last done with their room (`freed`: one event
-    a room, kept by the caller from block to block), not for the previous block's decodes."""
-    rooms = len(freed) if copy_stream is not None and freed else 1
+    `block.scratch_bytes()`; with `copy_stream` (CUDA) `len(freed)` times that (one room without
+    `freed`), a ring of part rooms: the copies run on `copy_stream` up to that many parts ahead of
+    the decodes, waiting only for `after` (the slot is free) and for the decode last done with their
+    room (`freed`: one event a room, kept by the caller from block to block), not for the previous
+    block's decodes."""
+    freed = freed or [None]
+    rooms = len(freed) if copy_stream is not None else 1
     room = scratch.numel() // rooms // ALIGN * ALIGN
     decoding = torch.cuda.current_stream(scratch.device) if copy_stream is not None else None
     if decoding is not None and after is not None:
