@@ -19,8 +19,8 @@ BUDGET_TIP = ("VRAM in GB this model may use in all (its weights on the GPU and 
 COMPRESS_TIP = ("Keep the blocks that stream from RAM losslessly compressed (bf16/fp16: their sign-and-exponent "
                 "bytes coded with NVIDIA nvCOMP's ANS, about 0.7 x the bytes): less RAM and fewer bytes over the "
                 "link, decoded on the GPU, bit-identical output. auto: when nvCOMP and CUDA are there and RAM is "
-                "short (the plan line says; not yet for runs that are only copy-bound); on: always (an error without nvCOMP: pip "
-                "install nvidia-nvcomp-cu13, or -cu12 for a CUDA 12 torch); off: never.")
+                "short (the plan line says; not yet for runs that are only copy-bound); on: always (an error "
+                "without nvCOMP: pip install nvidia-nvcomp-cu13, or -cu12 for a CUDA 12 torch); off: never.")
 PIN_TIP = ("Page-lock the host copies of streamed blocks for fast async copies. auto: pin, and fall back "
            "to pageable memory + a pinned staging ring if pinning fails; on: pin or fail; off: never pin "
            "(slow copies, for systems where pinning misbehaves).")
