@@ -66,7 +66,8 @@ function planQuery(node) {
   return { model, width: widget(latent, "width"), height: widget(latent, "height"), frames: widget(latent, "length") ?? 1,
            batch: widget(latent, "batch_size") ?? 1, window: widget(node, "window") ?? 0,
            prefetch: widget(node, "prefetch") ?? 1, vram_budget_gb: widget(node, "vram_budget_gb") ?? 0,
-           conds: condsPerStep(node), home: widget(node, "home") ?? "ram", compress: widget(node, "compress") ?? "auto" };
+           conds: condsPerStep(node), home: widget(node, "home") ?? "ram",   // Patch has no home widget: its blocks are in RAM
+           compress: widget(node, "compress") ?? "auto" };
 }
 
 function planLine(p) {
