@@ -4,8 +4,9 @@ One block of each format (bf16 and fp16 weights N(0, 0.02) as in the bench files
 the same, scaled per tensor; random bytes for nvfp4's packed codes) coded as the engine codes a
 RAM home (32 MiB parts; bf16/fp16: the high-byte plane coded by nvCOMP's ANS, the low plane raw;
 one-byte formats: parts coded whole), and bf16/fp16 once more with ANS's 16-bit float mode on
-whole parts (`/f2` rows, no re-interleave), and bf16 with torch's re-interleave instead of the
-fused one (`/torch-join`). Per row: the ratio, pinned copies of the raw and the
+whole parts (`/f2` rows, no re-interleave); `fp16-of-bf16` is a bf16 file's weights cast to fp16,
+as ComfyUI holds Wan 2.1 (it computes it in fp16), coded narrowed back to bf16 where exact (as the
+engine does); `/torch-join` rows re-interleave with torch instead of the fused kernel. Per row: the ratio, pinned copies of the raw and the
 coded block, copy + decode one after the other, the engine's pipelined decode (a ring of 2 or 4
 part rooms) alone and beside a bf16 matmul loop (the GPU time it takes from compute), and
 exactness; for planes also the re-interleave alone, three ways. Needs nvCOMP (`.whl-nvcomp`).
@@ -48,6 +49,8 @@ def block_bytes(fmt: str, params: int, dev: torch.device) -> torch.Tensor:
     w = torch.randn(params, generator=g, device=dev) * 0.02
     if fmt in ("bf16", "fp16"):
         return w.to(torch.bfloat16 if fmt == "bf16" else torch.float16).view(torch.uint8)
+    if fmt == "fp16-of-bf16":   # a bf16 file's weights as ComfyUI holds Wan: cast to fp16
+        return w.to(torch.bfloat16).to(torch.float16).view(torch.uint8)
     if fmt == "fp8":
         return (w / (w.abs().amax() / 448.0)).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.randint(0, 256, (params // 2,), dtype=torch.uint8, device=dev, generator=g)   # nvfp4 codes
@@ -73,7 +76,8 @@ def probe(fmt: str, params: int, repeat: int, dev: torch.device, words: bool = F
     flat = block_bytes(fmt, params, dev)
     coder = AnsPlanes(dev, data_type="<f2" if words else "|u1")
     t0 = time.perf_counter()
-    block = encode_block(coder, flat, planes=fmt in ("bf16", "fp16") and not words)
+    sixteen = fmt in ("bf16", "fp16", "fp16-of-bf16") and not words
+    block = encode_block(coder, flat, planes=sixteen, fp16=sixteen and fmt != "bf16")
     out = {"format": fmt + ("/f2" if words else ""), "bytes": flat.numel(), "coded_bytes": block.coded_bytes,
            "ratio": block.coded_bytes / flat.numel(), "parts": len(block.parts), "encode_s": time.perf_counter() - t0}
     block.home.pin()
@@ -143,19 +147,23 @@ def pipelined(coder, block, slot: torch.Tensor, dev: torch.device, repeat: int, 
 
 def join_variants(n: int, dev: torch.device, repeat: int) -> dict:
     """Seconds to re-interleave `n` high and low bytes into words: two strided copies (join_planes),
-    one torch.stack, and the fused kernel (swap/join_kernel.py) storing whole 16-bit words."""
-    from ringswap.swap.plane_codec import join_planes
+    one torch.stack, and the fused kernel (swap/plane_join.py) storing whole 16-bit words; and
+    widened (bf16 words written as fp16) by torch and by the kernel."""
+    from ringswap.swap import plane_join
+    from ringswap.swap.plane_join import join_planes
     high, low = (torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev) for _ in range(2))
     out = torch.empty(2 * n, dtype=torch.uint8, device=dev)
     stream = torch.cuda.current_stream(dev)
     res = {"join_copies_s": timed(lambda: join_planes(high, low, out), stream, repeat),
            "join_stack_s": timed(lambda: torch.stack((low, high), dim=1, out=out.view(-1, 2)), stream, repeat)}
     ref = out.clone()
-    from ringswap.swap import join_kernel
+    if not plane_join._usable(dev):
+        return {**res, "join_fused_s": "the fused join cannot run here"}
     out.zero_()
-    res["join_fused_s"] = timed(lambda: join_kernel.join(high, low, out, join_planes), stream, repeat) \
-        if join_kernel.join(high, low, out, join_planes) else "the fused join cannot run here"
+    res["join_fused_s"] = timed(lambda: plane_join._launch(high, low, out, False), stream, repeat)
     res["join_fused_exact"] = bool(torch.equal(out, ref))
+    res["join_torch_widen_s"] = timed(lambda: plane_join._torch_join(high, low, out, True), stream, repeat)
+    res["join_fused_widen_s"] = timed(lambda: plane_join._launch(high, low, out, True), stream, repeat)
     return res
 
 
@@ -164,7 +172,8 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=WAN_BLOCK_PARAMS)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--formats", nargs="+",
-                    default=["bf16", "bf16/torch-join", "bf16/f2", "fp16", "fp16/f2", "fp8", "nvfp4"])
+                    default=["bf16", "bf16/torch-join", "fp16-of-bf16", "fp16-of-bf16/torch-join", "bf16/f2", "fp16",
+                             "fp16/f2", "fp8", "nvfp4"])
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -16,16 +16,17 @@ from .staged_copy import PinnedChunks
 log = logging.getLogger("ringswap.coding")
 
 
-def _planes(coder: PlaneCoder, layout) -> bool:
-    """Split this block into byte planes: blocks mostly of 16-bit floats, unless the coder codes
-    16-bit words itself (AnsPlanes in ANS's 16-bit float mode)."""
-    if getattr(coder, "words", False):
-        return False
+def _form(coder: PlaneCoder, layout) -> dict:
+    """How a block is coded: in byte planes where mostly 16-bit floats (unless the coder codes
+    16-bit words itself: AnsPlanes in ANS's float mode), and those of fp16 blocks narrowed to
+    bf16 where exact (plane_codec.narrow_fp16)."""
     by_size: dict[int, int] = {}
     for e in layout.entries:
         size = torch.empty(0, dtype=e.dtype).element_size()
         by_size[size] = by_size.get(size, 0) + e.nbytes
-    return wants_planes(by_size, layout.nbytes)
+    planes = not getattr(coder, "words", False) and wants_planes(by_size, layout.nbytes)
+    fp16 = sum(e.nbytes for e in layout.entries if e.dtype == torch.float16)
+    return {"planes": planes, "fp16": planes and 2 * fp16 >= layout.nbytes}
 
 
 def coding_for(coding: "Coding | None", factory, device: torch.device) -> "Coding":
@@ -75,7 +76,8 @@ class Coding:
                 n = states[i].layout.nbytes
                 chunks.upload(pool.blocks[i].flat, work[:n])
                 chunks.synchronize()
-                block = encode_block(self.coder, work[:n], self.part_bytes, _planes(self.coder, states[i].layout), chunks.download)
+                block = encode_block(self.coder, work[:n], self.part_bytes, download=chunks.download,
+                                     **_form(self.coder, states[i].layout))
                 if block.coded_bytes > PAYS_RATIO * n:
                     self.pays = False
                     log.info("RingSwap compress: a block codes to %.2f of its bytes (over %.2f): blocks stay raw",
@@ -111,8 +113,8 @@ class Coding:
     def keep(self, s, pool: HostPool, room: int, chunks: PinnedChunks | None = None) -> int:
         """A coded home for resident block `s`, coded straight from its device buffer; its bytes
         (0: it does not fit in `room`). See home.capture_resident."""
-        block = encode_block(self.coder, s.device_buffer, self.part_bytes, _planes(self.coder, s.layout),
-                             chunks.download if chunks is not None else None)
+        block = encode_block(self.coder, s.device_buffer, self.part_bytes,
+                             download=chunks.download if chunks is not None else None, **_form(self.coder, s.layout))
         if block.coded_bytes > room:
             return 0
         pool.coded[s.index] = block

@@ -16,8 +16,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from . import join_kernel
 from .host_pool import HostBuffer
+from .plane_join import join_words
 
 NVCOMP_PACKAGES = "nvidia-nvcomp-cu13 (torch built for CUDA 13) or nvidia-nvcomp-cu12 (CUDA 12)"
 PART_BYTES = 32 << 20    # a part's raw bytes: the device scratch holds a few parts, not a block
@@ -40,21 +40,6 @@ def split_planes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return words[:, 1].contiguous(), words[:, 0].contiguous()
 
 
-def join_planes(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write the words of `high` and `low` back into `out` (uint8, twice their length): the
-    inverse of split_planes, bit for bit."""
-    words = out.view(-1, 2)
-    words[:, 1].copy_(high)
-    words[:, 0].copy_(low)
-    return out
-
-
-def join_words(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> None:
-    """join_planes, in one fused pass on CUDA where it can run (swap/join_kernel.py)."""
-    if not join_kernel.join(high, low, out, join_planes):
-        join_planes(high, low, out)
-
-
 class PlaneCoder(Protocol):
     """Codes high-byte planes on the device they live on. `stream`: where its work is enqueued
     (None on the CPU). `decode` must not synchronise the host."""
@@ -70,11 +55,14 @@ class CodedBlock:
     """A block's bytes as they wait in RAM and cross the link, in one host buffer. With `planes`
     (blocks mostly of 16-bit floats) per part its coded high plane, padded to ALIGN, then its raw
     low plane; without (one-byte formats: fp8, packed nvfp4) per part all its bytes coded.
-    `parts`: (offset in the block, the part's bytes, offset in `home`, coded bytes)."""
+    `parts`: (offset in the block, the part's bytes, offset in `home`, coded bytes); `narrowed`:
+    the parts whose fp16 words are held as the bf16 words they convert to exactly (see
+    `narrow_fp16`), turned back into fp16 as they are re-interleaved."""
     home: HostBuffer
     parts: tuple[tuple[int, int, int, int], ...]
     nbytes: int
     planes: bool = True
+    narrowed: frozenset[int] = frozenset()
 
     @property
     def coded_bytes(self) -> int:
@@ -92,16 +80,34 @@ def wants_planes(dtypes_bytes: dict[int, int], nbytes: int) -> bool:
     return nbytes % 2 == 0 and 2 * dtypes_bytes.get(2, 0) >= nbytes
 
 
+def narrow_fp16(part: torch.Tensor) -> torch.Tensor | None:
+    """The bf16 bytes of a part's fp16 words (uint8, even length) where every word comes back bit
+    for bit through fp16 -> bf16 -> fp16, else None. fp16 weights cast from a bf16 file (ComfyUI
+    computes Wan in fp16) always do; their bf16 high bytes hold sign and exponent only, so they
+    code to about 0.68 of the bytes where fp16's, with two mantissa bits, code to about 0.86."""
+    words = part.view(torch.float16)
+    narrow = words.to(torch.bfloat16)
+    if not torch.equal(narrow.to(torch.float16).view(torch.int16), words.view(torch.int16)):
+        return None
+    return narrow.view(torch.uint8)
+
+
 def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_BYTES, planes: bool = True,
-                 download: "Callable[[torch.Tensor, torch.Tensor], None] | None" = None) -> CodedBlock:
+                 download: "Callable[[torch.Tensor, torch.Tensor], None] | None" = None,
+                 fp16: bool = False) -> CodedBlock:
     """Code a block's bytes (uint8 on the coder's device) into a new pageable host buffer: the
     parts are laid out on the device as the home holds them, then downloaded in one go
     (`download(device, host)`, e.g. PinnedChunks.download: a plain copy into fresh pageable
-    pages runs at about 1 GB/s)."""
-    n, pieces = flat.numel(), []
-    for off in range(0, n, part_bytes):
+    pages runs at about 1 GB/s). `fp16`: the block's 16-bit words are fp16, so each part is
+    narrowed to bf16 where that is exact (`narrow_fp16`)."""
+    n, pieces, narrowed = flat.numel(), [], set()
+    for k, off in enumerate(range(0, n, part_bytes)):
         part = flat[off:off + part_bytes]
         if planes:
+            narrow = narrow_fp16(part) if fp16 else None
+            if narrow is not None:
+                narrowed.add(k)
+                part = narrow
             high, low = split_planes(part)
             pieces.append((off, part.numel(), coder.encode(high), low))
         else:
@@ -118,7 +124,7 @@ def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_B
     del pieces
     home = HostBuffer(staged.numel())
     (download or _copy)(staged, home.flat)
-    return CodedBlock(home, tuple(parts), n, planes)
+    return CodedBlock(home, tuple(parts), n, planes, frozenset(narrowed))
 
 
 def _copy(src: torch.Tensor, dest: torch.Tensor) -> None:
@@ -161,7 +167,7 @@ def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, ou
         else:
             high = scratch[base + aligned(span):base + aligned(span) + half]
             coder.decode(landed[:c], high)
-            join_words(high, landed[aligned(c):], out[off:off + size])
+            join_words(high, landed[aligned(c):], out[off:off + size], widen=k in block.narrowed)
         if decoding is not None:
             freed[k % rooms] = torch.cuda.Event()
             freed[k % rooms].record(decoding)

@@ -255,3 +255,19 @@ def test_a_coder_of_whole_words_gets_bf16_blocks_without_planes():
     assert engine.pool.coded and not any(c.planes for c in engine.pool.coded.values())
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
+
+
+def test_fp16_blocks_cast_from_bf16_are_coded_narrowed_and_exact():
+    """Blocks whose weights are fp16 cast from bf16 (how ComfyUI holds Wan): coded as bf16 words,
+    every part narrowed, the run bit-exact."""
+    blocks = make_blocks().to(torch.bfloat16).to(torch.float16)
+    x = X.to(torch.float16)
+    ref = run(blocks, x)
+    engine = BlockSwapEngine(list(blocks))
+    engine.coder_factory = ZlibPlanes
+    engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    coded = engine.pool.coded
+    assert coded and all(c.narrowed == frozenset(range(len(c.parts))) for c in coded.values())
+    for _ in range(2):
+        assert torch.equal(run(blocks, x), ref)
+    engine.detach()

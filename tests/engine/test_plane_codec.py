@@ -3,7 +3,8 @@ with CUDA and nvCOMP, a block coded and decoded on the GPU is itself bit for bit
 import pytest
 import torch
 
-from ringswap.swap.plane_codec import aligned, decode_block, encode_block, join_planes, nvcomp_module, split_planes
+from ringswap.swap.plane_codec import aligned, decode_block, encode_block, nvcomp_module, split_planes
+from ringswap.swap.plane_join import join_planes
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -131,28 +132,75 @@ def test_engine_streams_coded_blocks_bit_exact_on_cuda():
     assert engine.coding.pays and engine.pool.coded
 
 
-def test_join_words_on_the_cpu_is_torchs_join():
-    """Off CUDA the fused re-interleave does not run: join_words joins with torch, bit for bit."""
-    from ringswap.swap import join_kernel
-    from ringswap.swap.plane_codec import join_words
+def test_join_words_on_the_cpu_is_torchs_join_plain_and_widened():
+    """Off CUDA the fused re-interleave does not run: join_words joins with torch, bit for bit,
+    and widened gives the fp16 words of the bf16 ones."""
+    from ringswap.swap.plane_join import join_words
     flat = torch.randint(0, 256, (4098,), dtype=torch.uint8)
     high, low = split_planes(flat)
     out = torch.empty_like(flat)
-    assert not join_kernel.join(high, low, out, join_planes)
     join_words(high, low, out)
     assert torch.equal(out, flat)
+    narrow = (torch.randn(2049) * 0.02).to(torch.bfloat16)
+    high, low = split_planes(narrow.view(torch.uint8))
+    join_words(high, low, out, widen=True)
+    assert torch.equal(out.view(torch.float16), narrow.to(torch.float16))
 
 
 @pytest.mark.gpu
 def test_fused_join_gives_torchs_bytes_on_cuda():
-    """The fused re-interleave on CUDA, at odd lengths and offsets into a slot, equals torch's."""
+    """The fused re-interleave on CUDA, at odd lengths and offsets into a slot, plain and widened,
+    equals torch's (exhaustively for widening: every finite bf16 word)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from ringswap.swap import join_kernel
+    from ringswap.swap import plane_join
     dev = torch.device("cuda", torch.cuda.current_device())
-    for n in (1, 4095, 4096, 4097, 3 << 20):
-        flat = torch.randint(0, 256, (2 * n,), dtype=torch.uint8, device=dev)
+    assert plane_join._usable(dev), "the fused join does not run on the GPU machine"
+    every = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every.float())].to(dev)
+    for flat, widen in [(torch.randint(0, 256, (2 * n,), dtype=torch.uint8, device=dev), False)
+                        for n in (1, 4095, 4096, 4097, 3 << 20)] + [(every.view(torch.uint8), True)]:
         high, low = split_planes(flat)
-        slot = torch.zeros(2 * n + 64, dtype=torch.uint8, device=dev)
-        assert join_kernel.join(high, low, slot[32:32 + 2 * n], join_planes), "no Triton on the GPU machine"
-        assert torch.equal(slot[32:32 + 2 * n], flat) and not slot[:32].any() and not slot[32 + 2 * n:].any()
+        slot = torch.zeros(flat.numel() + 64, dtype=torch.uint8, device=dev)
+        plane_join.join_words(high, low, slot[32:32 + flat.numel()], widen)
+        want = flat if not widen else flat.view(torch.bfloat16).to(torch.float16).view(torch.uint8)
+        assert torch.equal(slot[32:32 + flat.numel()], want) and not slot[:32].any() and not slot[32 + flat.numel():].any()
+
+
+def test_fp16_words_from_bf16_are_narrowed_exactly_and_code_smaller():
+    """fp16 weights cast from bf16 (ComfyUI computes Wan in fp16 from a bf16 file) are held as
+    their bf16 words: smaller coded, given back as the same fp16 bits; specials included."""
+    from zlib_planes import ZlibPlanes
+    from ringswap.swap.plane_codec import narrow_fp16
+    g = torch.Generator().manual_seed(0)
+    weights = (torch.randn(6000, generator=g) * 0.02).to(torch.bfloat16)
+    weights[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3e-8, -1e-6], dtype=torch.bfloat16)
+    flat = weights.to(torch.float16).view(torch.uint8)
+    assert narrow_fp16(flat) is not None
+    coder = ZlibPlanes()
+    wide = encode_block(coder, flat, part_bytes=4096)
+    narrow = encode_block(coder, flat, part_bytes=4096, fp16=True)
+    assert narrow.narrowed == frozenset(range(len(narrow.parts))) and not wide.narrowed
+    assert narrow.coded_bytes < 0.92 * wide.coded_bytes, (narrow.coded_bytes, wide.coded_bytes)
+    out = torch.empty_like(flat)
+    decode_block(coder, narrow, torch.empty(narrow.scratch_bytes(), dtype=torch.uint8), out)
+    assert torch.equal(out, flat)
+
+
+def test_fp16_parts_that_do_not_survive_bf16_stay_fp16():
+    """A part with fp16 words bf16 cannot hold (full mantissas, a NaN payload) is coded as it is;
+    the others are narrowed; the block comes back bit for bit."""
+    from zlib_planes import ZlibPlanes
+    from ringswap.swap.plane_codec import narrow_fp16
+    g = torch.Generator().manual_seed(1)
+    from_bf16 = (torch.randn(2048, generator=g) * 0.02).to(torch.bfloat16).to(torch.float16)
+    full = (torch.randn(2048, generator=g) * 0.02).to(torch.float16)
+    nan = from_bf16.clone().view(torch.int16)
+    nan[5] = 0x7E01   # a NaN with a payload
+    flat = torch.cat([from_bf16, full, nan.view(torch.float16)]).view(torch.uint8)
+    assert narrow_fp16(full.view(torch.uint8)) is None
+    block = encode_block(ZlibPlanes(), flat, part_bytes=4096, fp16=True)
+    assert 0 in block.narrowed and 1 not in block.narrowed and len(block.parts) == 3
+    out = torch.empty_like(flat)
+    decode_block(ZlibPlanes(), block, torch.empty(block.scratch_bytes(), dtype=torch.uint8), out)
+    assert torch.equal(out, flat)
