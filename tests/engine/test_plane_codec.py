@@ -162,9 +162,12 @@ def test_fused_join_gives_torchs_bytes_on_cuda():
                         for n in (1, 4095, 4096, 4097, 3 << 20)] + [(every.view(torch.uint8), True)]:
         high, low = split_planes(flat)
         slot = torch.zeros(flat.numel() + 64, dtype=torch.uint8, device=dev)
-        plane_join.join_words(high, low, slot[32:32 + flat.numel()], widen)
         want = flat if not widen else flat.view(torch.bfloat16).to(torch.float16).view(torch.uint8)
-        assert torch.equal(slot[32:32 + flat.numel()], want) and not slot[:32].any() and not slot[32 + flat.numel():].any()
+        for join in (plane_join.join_words, plane_join._torch_join):   # the kernel, and torch's on CUDA
+            slot.zero_()
+            join(high, low, slot[32:32 + flat.numel()], widen)
+            assert torch.equal(slot[32:32 + flat.numel()], want), (join, widen)
+            assert not slot[:32].any() and not slot[32 + flat.numel():].any()
 
 
 def test_fp16_words_from_bf16_are_narrowed_exactly_and_code_smaller():
