@@ -1,20 +1,16 @@
 """compress on CUDA with nvCOMP (RingSwap Model Loader): coded homes bit-exact at every window and
-prefetch, homes ram and auto; LoRA folded after the decode; an interrupted run and the next one;
-the RAM a coded home takes; home=auto's RAM split widened by coding."""
+prefetch, homes ram and auto; an interrupted run and the next one; the RAM a coded home takes;
+home=auto's RAM split widened by coding. (LoRA folded after the decode: test_lora_gpu.py.)"""
 import psutil
 import pytest
 import torch
 
 import comfy.model_management
-import comfy.sd
 
 from ringswap.loaders.comfyui_adapter import compress_choice, ram_room
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
-from ringswap.lora.apply import apply_lora
-from support.fold_probe import FoldProbe
-from support.lora_files import build_lora, from_diffusers_names
-from wan_model import forward, inputs, load_stock, patched_weights, tiny_wan
+from wan_model import forward, inputs, load_stock, tiny_wan
 
 pytestmark = pytest.mark.gpu
 
@@ -79,31 +75,6 @@ def test_compress_widens_home_autos_ram_split_on_the_first_load(stock, wan_file,
     assert raw_split.file_blocks and len(engine.att.ram_homes) > len(raw_split.ram_blocks)
     assert set(engine.att.ram_homes) <= set(engine.pool.coded)
     comfy.model_management.unload_all_models()
-
-
-def test_lora_folds_after_the_decode(tmp_path):
-    """A LoRA on coded homes: each landing block is decoded, then folded; every folded weight
-    within one unit in the last place of ComfyUI's own patching (as without compress)."""
-    path = tiny_wan(str(tmp_path), blocks=4, dim=512, ffn_dim=2048, dtype=torch.bfloat16)
-    sd = build_lora("mixed", blocks=4)
-    stock = load_stock(path)
-    ref, _ = comfy.sd.load_lora_for_models(stock, None, from_diffusers_names(sd), 1.0, 0)
-    want = forward(ref, *inputs(seed=0))
-    comfy.model_management.unload_all_models()
-    weights = patched_weights(stock, from_diffusers_names(sd), 1.0)
-    for window, prefetch in ((1, 1), (2, 2)):
-        model = apply_lora(load_swapped_model(path, SwapSettings(window, prefetch, compress="on"), home="ram"), sd, 1.0)
-        probe = FoldProbe(model, {k: w for k, w in weights.items() if k.startswith("diffusion_model.blocks.")},
-                          ulps=1)
-        try:
-            outs = [forward(model, *inputs(seed=0)) for _ in range(2)]
-        finally:
-            probe.remove()
-        assert model.swap_engine.pool.coded and not probe.bad, probe.bad[:4]
-        for out in outs:
-            err = ((out.float() - want.float()).norm() / want.float().norm()).item()
-            assert err <= 1e-3, (window, prefetch, err)
-        comfy.model_management.unload_all_models()
 
 
 def test_an_interrupted_run_then_the_next_is_exact(stock, wan_file):

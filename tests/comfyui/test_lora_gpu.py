@@ -18,9 +18,14 @@ from wan_model import forward, inputs, load_stock, patched_weights, tiny_wan
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype):
-    path = tiny_wan(str(tmp_path), blocks=4, dtype=dtype)
+@pytest.mark.parametrize("dtype, compress", [(torch.bfloat16, "off"), (torch.float32, "off"), (torch.bfloat16, "on")])
+def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype, compress):
+    """compress on: the blocks land coded, are decoded, then folded, with the same bound."""
+    from ringswap.loaders.comfyui_adapter import compress_choice
+    if compress == "on" and compress_choice.nvcomp_missing():
+        pytest.skip("needs nvCOMP (scripts/prepare_nvcomp_wheels.sh)")
+    path = tiny_wan(str(tmp_path), blocks=4, dim=512 if compress == "on" else 128,
+                    ffn_dim=2048 if compress == "on" else 256, dtype=dtype)   # blocks large enough to code
     sd = build_lora("mixed", blocks=4)
     stock = load_stock(path)
     ref, _ = comfy.sd.load_lora_for_models(stock, None, from_diffusers_names(sd), 1.0, 0)
@@ -28,7 +33,8 @@ def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype):
     comfy.model_management.unload_all_models()
     weights = patched_weights(stock, from_diffusers_names(sd), 1.0)
     for window, prefetch in ((1, 1), (2, 1), (4, 0)):
-        model = apply_lora(load_swapped_model(path, SwapSettings(window, prefetch), home="ram"), sd, 1.0)
+        model = apply_lora(load_swapped_model(path, SwapSettings(window, prefetch, compress=compress), home="ram"),
+                           sd, 1.0)
         # plain LoRA pairs fold with a fused addmm_ on CUDA: within one unit in the last place
         probe = FoldProbe(model, {k: w for k, w in weights.items() if k.startswith("diffusion_model.blocks.")},
                           ulps=1)
@@ -37,6 +43,7 @@ def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype):
         finally:
             probe.remove()
         assert not probe.bad, probe.bad[:4]
+        assert bool(model.swap_engine.pool.coded) == (compress == "on" and window < 4)
         for out in outs:
             err = ((out.float() - want.float()).norm() / want.float().norm()).item()
             assert err <= 1e-3, (window, prefetch, err)   # one ulp per folded weight, see lora/fold_ops.py
