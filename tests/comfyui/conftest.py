@@ -83,6 +83,21 @@ def fast_and_quiet():
     gc.unfreeze()
 
 
+@pytest.fixture(scope="module")
+def wan512_file(tmp_path_factory) -> str:
+    """A bf16 Wan of 8 blocks at dim 512 (~8 MB a block): large enough for the GPU tests' copies
+    and for compress to pay."""
+    from wan_model import tiny_wan
+    return tiny_wan(str(tmp_path_factory.mktemp("wan")), blocks=8, dim=512, ffn_dim=2048, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def wan512_stock(wan512_file):
+    """wan512_file through the stock Load Diffusion Model path."""
+    from wan_model import load_stock
+    return load_stock(wan512_file)
+
+
 @pytest.fixture(scope="session")
 def shared_models(tmp_path_factory) -> str:
     """The models folder of the shared server: each module writes its own files into it."""

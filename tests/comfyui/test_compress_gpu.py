@@ -10,7 +10,7 @@ import comfy.model_management
 from ringswap.loaders.comfyui_adapter import compress_choice, ram_room
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
-from wan_model import forward, inputs, load_stock, tiny_wan
+from wan_model import forward, inputs, tiny_wan
 
 pytestmark = pytest.mark.gpu
 
@@ -23,27 +23,17 @@ def nvcomp_here():
         pytest.skip("needs CUDA and nvCOMP (scripts/prepare_nvcomp_wheels.sh)")
 
 
-@pytest.fixture(scope="module")
-def wan_file(tmp_path_factory):
-    return tiny_wan(str(tmp_path_factory.mktemp("wan")), blocks=BLOCKS, dim=512, ffn_dim=2048, dtype=torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def stock(wan_file):
-    return load_stock(wan_file)
-
-
-def test_compressed_homes_are_bit_exact_on_cuda(stock, wan_file, caplog):
+def test_compressed_homes_are_bit_exact_on_cuda(wan512_stock, wan512_file, caplog):
     """compress=on with nvCOMP (RingSwap Model Loader, homes ram and auto): the streamed blocks'
     homes are coded, each landing decoded on the GPU; outputs bit-identical to the stock model at
     every window and prefetch; the plan line gives the ratio and the GB saved."""
     x = [inputs(seed=s, frames=3, size=16) for s in range(2)]
-    ref = [forward(stock, *xi) for xi in x]
+    ref = [forward(wan512_stock, *xi) for xi in x]
     comfy.model_management.unload_all_models()
     for home in ("ram", "auto"):
         for prefetch in (0, 1, 2):
             for window in (1, 3, BLOCKS - prefetch - 1):
-                model = load_swapped_model(wan_file, SwapSettings(window, prefetch, compress="on"), home=home)
+                model = load_swapped_model(wan512_file, SwapSettings(window, prefetch, compress="on"), home=home)
                 with caplog.at_level("INFO", logger="ringswap.patcher"):
                     for _ in range(2):
                         for k, xi in enumerate(x):
@@ -54,22 +44,22 @@ def test_compressed_homes_are_bit_exact_on_cuda(stock, wan_file, caplog):
                 comfy.model_management.unload_all_models()
 
 
-def test_compress_widens_home_autos_ram_split_on_the_first_load(stock, wan_file, caplog):
+def test_compress_widens_home_autos_ram_split_on_the_first_load(wan512_stock, wan512_file, caplog):
     """home=auto with a RAM budget that holds only part of the streamed blocks raw: once the first
     ones are coded, the load gives RAM homes to more of them (counted at their coded size);
     outputs stay bit-identical to the stock model."""
     xi = inputs(seed=3, frames=3, size=16)
-    ref = forward(stock, *xi)
+    ref = forward(wan512_stock, *xi)
     comfy.model_management.unload_all_models()
-    sizing = load_swapped_model(wan_file, SwapSettings(2, 1, compress="off"), home="auto")
+    sizing = load_swapped_model(wan512_file, SwapSettings(2, 1, compress="off"), home="auto")
     staging = sizing.swap_engine.read_buffers   # the read-ahead's buffers, counted where blocks stream from the file
     budget = (staging + 2) * sizing.swap_engine.states[0].layout.nbytes / 1e9   # 2 of 7 streamed blocks raw
     del sizing
-    raw_only = load_swapped_model(wan_file, SwapSettings(2, 1, ram_budget_gb=budget, compress="off"), home="auto")
+    raw_only = load_swapped_model(wan512_file, SwapSettings(2, 1, ram_budget_gb=budget, compress="off"), home="auto")
     assert torch.equal(forward(raw_only, *xi), ref)
     raw_split = ram_room.split_for(raw_only.swap_engine, raw_only.swap_engine.plan, budget)
     comfy.model_management.unload_all_models()
-    model = load_swapped_model(wan_file, SwapSettings(2, 1, ram_budget_gb=budget, compress="on"), home="auto")
+    model = load_swapped_model(wan512_file, SwapSettings(2, 1, ram_budget_gb=budget, compress="on"), home="auto")
     assert torch.equal(forward(model, *xi), ref)
     engine = model.swap_engine
     assert raw_split.file_blocks and len(engine.att.ram_homes) > len(raw_split.ram_blocks)
@@ -77,13 +67,13 @@ def test_compress_widens_home_autos_ram_split_on_the_first_load(stock, wan_file,
     comfy.model_management.unload_all_models()
 
 
-def test_an_interrupted_run_then_the_next_is_exact(stock, wan_file):
+def test_an_interrupted_run_then_the_next_is_exact(wan512_stock, wan512_file):
     """ComfyUI's interrupt raised inside a streamed block while coded blocks are in flight: the
     next run (and the one after) gives the stock output."""
     xi = inputs(seed=4, frames=3, size=16)
-    ref = forward(stock, *xi)
+    ref = forward(wan512_stock, *xi)
     comfy.model_management.unload_all_models()
-    model = load_swapped_model(wan_file, SwapSettings(2, 2, compress="on"), home="ram")
+    model = load_swapped_model(wan512_file, SwapSettings(2, 2, compress="on"), home="ram")
     assert torch.equal(forward(model, *xi), ref)
     engine = model.swap_engine
     victim = engine.plan.streamed[len(engine.plan.streamed) // 2]

@@ -5,20 +5,10 @@ import torch
 import comfy.model_management
 
 from ringswap.nodes.patch import RingSwapPatch
-from wan_model import forward, inputs, load_stock, static_twin, tiny_wan
+from wan_model import forward, inputs, static_twin
 
 pytestmark = pytest.mark.gpu
 BLOCKS = 8
-
-
-@pytest.fixture(scope="module")
-def wan_file(tmp_path_factory):
-    return tiny_wan(str(tmp_path_factory.mktemp("wan")), blocks=BLOCKS, dim=512, ffn_dim=2048, dtype=torch.bfloat16)
-
-
-@pytest.fixture(scope="module")
-def stock(wan_file):
-    return load_stock(wan_file)
 
 
 def patched(model, window, prefetch, pin="auto"):
@@ -26,14 +16,14 @@ def patched(model, window, prefetch, pin="auto"):
     return m
 
 
-def test_bit_exact_on_cuda_pinned(stock):
+def test_bit_exact_on_cuda_pinned(wan512_stock):
     x = [inputs(seed=s, frames=3, size=16) for s in range(2)]
-    ref = [forward(stock, *xi) for xi in x]
+    ref = [forward(wan512_stock, *xi) for xi in x]
     comfy.model_management.unload_all_models()
     for pin, memory in (("auto", "pinned"), ("off", "pageable")):
         for prefetch in (1, 2):
             for window in (1, 2, 3, BLOCKS // 2, BLOCKS - prefetch - 1):
-                model = patched(stock, window, prefetch, pin)
+                model = patched(wan512_stock, window, prefetch, pin)
                 for _ in range(2):
                     for k, xi in enumerate(x):
                         out = forward(model, *xi)
@@ -46,12 +36,12 @@ def test_bit_exact_on_cuda_pinned(stock):
                 comfy.model_management.unload_all_models()
 
 
-def test_staged_fallback_is_bit_exact(stock):
+def test_staged_fallback_is_bit_exact(wan512_stock):
     """Pageable home + pinned staging ring (what `auto` falls back to when pinning fails)."""
     xi = inputs(seed=5, frames=3, size=16)
-    ref = forward(stock, *xi)
+    ref = forward(wan512_stock, *xi)
     comfy.model_management.unload_all_models()
-    model = patched(stock, 2, 1)
+    model = patched(wan512_stock, 2, 1)
     engine = model.swap_engine
     engine.pool.pin = lambda indices: False      # the OS refuses to page-lock memory
     try:
@@ -63,25 +53,25 @@ def test_staged_fallback_is_bit_exact(stock):
         comfy.model_management.unload_all_models()
 
 
-def test_peak_vram_bound(stock):
+def test_peak_vram_bound(wan512_stock):
     dev = comfy.model_management.get_torch_device()
     xi = inputs(seed=7, frames=5, size=32)
     comfy.model_management.unload_all_models()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated(dev)
 
-    resident = static_twin(stock)   # torch's allocator does not see dynamic VRAM's buffers
+    resident = static_twin(wan512_stock)   # torch's allocator does not see dynamic VRAM's buffers
     forward(resident, *xi)          # warm-up, then measure the resident run
     torch.cuda.reset_peak_memory_stats(dev)
     forward(resident, *xi)
     resident_peak = torch.cuda.max_memory_allocated(dev) - base
     del resident
-    engine_probe = patched(stock, 2, 1).swap_engine
+    engine_probe = patched(wan512_stock, 2, 1).swap_engine
     all_weights = engine_probe.total_block_bytes()
     comfy.model_management.unload_all_models()
     torch.cuda.synchronize()
 
-    model = patched(stock, 2, 1)
+    model = patched(wan512_stock, 2, 1)
     forward(model, *xi)
     torch.cuda.reset_peak_memory_stats(dev)
     forward(model, *xi)
