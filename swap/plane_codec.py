@@ -82,13 +82,13 @@ def wants_planes(dtypes_bytes: dict[int, int], nbytes: int) -> bool:
 
 def narrow_fp16(part: torch.Tensor) -> torch.Tensor | None:
     """The bf16 bytes of a part's fp16 words (uint8, even length) where every word comes back bit
-    for bit through fp16 -> bf16 -> fp16, else None. fp16 weights cast from a bf16 file (ComfyUI
+    for bit through fp16 -> bf16 -> fp16 and none is a NaN, else None. fp16 weights cast from a bf16 file (ComfyUI
     computes Wan in fp16) always do; their bf16 high bytes hold sign and exponent only, so they
     code to about 0.68 of the bytes where fp16's, with two mantissa bits, code to about 0.86."""
     words = part.view(torch.float16)
     narrow = words.to(torch.bfloat16)
-    if not torch.equal(narrow.to(torch.float16).view(torch.int16), words.view(torch.int16)):
-        return None
+    if words.isnan().any() or not torch.equal(narrow.to(torch.float16).view(torch.int16), words.view(torch.int16)):
+        return None   # (a NaN's bits may differ between the conversions of torch and of the fused join)
     return narrow.view(torch.uint8)
 
 
