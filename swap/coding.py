@@ -21,11 +21,12 @@ def _form(coder: PlaneCoder, layout) -> dict:
     16-bit words itself: AnsPlanes in ANS's float mode), and those of fp16 blocks narrowed to
     bf16 where exact (plane_codec.narrow_fp16)."""
     by_size: dict[int, int] = {}
+    fp16 = 0
     for e in layout.entries:
         size = torch.empty(0, dtype=e.dtype).element_size()
         by_size[size] = by_size.get(size, 0) + e.nbytes
+        fp16 += e.nbytes if e.dtype == torch.float16 else 0
     planes = not getattr(coder, "words", False) and wants_planes(by_size, layout.nbytes)
-    fp16 = sum(e.nbytes for e in layout.entries if e.dtype == torch.float16)
     return {"planes": planes, "fp16": planes and 2 * fp16 >= layout.nbytes}
 
 
@@ -159,8 +160,12 @@ class Coding:
         need = max((pool.coded[i].scratch_bytes() for i in blocks if i in pool.coded), default=0)
         need *= PARTS_IN_FLIGHT if self.coder.stream is not None else 1
         if need and (self.scratch is None or self.scratch.numel() < need):
-            self.scratch = empty_bytes(need, self.device)
-            self.freed = [None] * PARTS_IN_FLIGHT
+            self._new_scratch(empty_bytes(need, self.device))
+
+    def _new_scratch(self, scratch: torch.Tensor | None) -> None:
+        """A scratch whose rooms no decode has used yet (or none)."""
+        self.scratch = scratch
+        self.freed = [None] * PARTS_IN_FLIGHT
 
     def decode(self, block: CodedBlock, out: torch.Tensor, copy_stream: "torch.cuda.Stream | None" = None,
                after: "torch.cuda.Event | None" = None) -> None:
@@ -177,5 +182,4 @@ class Coding:
         return copier.enqueue(lambda: self.decode(block, out, copier.stream, after), after, stream=self.coder.stream)
 
     def release(self) -> None:
-        self.scratch = None
-        self.freed = [None] * PARTS_IN_FLIGHT
+        self._new_scratch(None)
