@@ -9,7 +9,8 @@ as ComfyUI holds Wan 2.1 (it computes it in fp16), coded narrowed back to bf16 w
 engine does); `/torch-join` rows re-interleave with torch instead of the fused kernel. Per row: the ratio, pinned copies of the raw and the
 coded block, copy + decode one after the other, the engine's pipelined decode (a ring of 2 or 4
 part rooms) alone and beside a bf16 matmul loop (the GPU time it takes from compute), and
-exactness; for planes also the re-interleave alone, three ways. Needs nvCOMP (`.whl-nvcomp`).
+exactness; for planes also the re-interleave alone, three ways. Rows may set ANS's chunk size and
+the part size (`/c16`, `/p64`: see --formats). Needs nvCOMP (`.whl-nvcomp`).
 
     python3 bench/plane_probe.py [--params 351e6] [--repeat 5] [--json out.json]
 """
@@ -68,17 +69,23 @@ def timed(fn, stream: torch.cuda.Stream, repeat: int) -> float:
     return start.elapsed_time(end) / 1000.0 / repeat
 
 
-def probe(fmt: str, params: int, repeat: int, dev: torch.device, words: bool = False) -> dict:
+def probe(fmt: str, params: int, repeat: int, dev: torch.device, words: bool = False,
+          chunk_kib: int | None = None, part_mib: int | None = None, latency: bool = False) -> dict:
     """One block of `fmt` through the engine's coding path (`words`: ANS's 16-bit float mode on
-    whole parts instead of planes)."""
+    whole parts instead of planes; `chunk_kib`: ANS's chunk size; `part_mib`: the part size;
+    `latency`: nvCOMP's execution policy for latency instead of concurrency with other work)."""
     pack_without_comfyui()
-    from ringswap.swap.plane_codec import AnsPlanes, decode_block, encode_block
+    from ringswap.swap.plane_codec import PART_BYTES, AnsPlanes, decode_block, encode_block, nvcomp_module
     flat = block_bytes(fmt, params, dev)
-    coder = AnsPlanes(dev, data_type="<f2" if words else "|u1")
+    options = {"uncomp_chunk_size": chunk_kib << 10} if chunk_kib else {}
+    if latency:
+        options["execution_policy"] = nvcomp_module().ExecutionPolicy.LATENCY
+    coder = AnsPlanes(dev, data_type="<f2" if words else "|u1", **options)
     t0 = time.perf_counter()
     sixteen = fmt in ("bf16", "fp16", "fp16-of-bf16") and not words
-    block = encode_block(coder, flat, planes=sixteen, fp16=sixteen and fmt != "bf16")
-    out = {"format": fmt + ("/f2" if words else ""), "bytes": flat.numel(), "coded_bytes": block.coded_bytes,
+    block = encode_block(coder, flat, part_mib << 20 if part_mib else PART_BYTES, planes=sixteen,
+                         fp16=sixteen and fmt != "bf16")
+    out = {"format": fmt, "bytes": flat.numel(), "coded_bytes": block.coded_bytes,
            "ratio": block.coded_bytes / flat.numel(), "parts": len(block.parts), "encode_s": time.perf_counter() - t0}
     block.home.pin()
     raw_host = flat.cpu().pin_memory()
@@ -173,15 +180,21 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--formats", nargs="+",
                     default=["bf16", "bf16/torch-join", "fp16-of-bf16", "fp16-of-bf16/torch-join", "bf16/f2", "fp16",
-                             "fp16/f2", "fp8", "nvfp4"])
+                             "fp16/f2", "fp8", "nvfp4"],
+                    help="a format, then options after slashes: torch-join, f2 (16-bit float mode), cN (ANS "
+                         "chunks of N KiB), pN (parts of N MiB), lat (nvCOMP's latency policy); e.g. "
+                         "fp16-of-bf16/c16/p64")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for fmt in a.formats:
-        os.environ["RINGSWAP_FUSED_KERNELS"] = "0" if fmt.endswith("/torch-join") else "1"
+        os.environ["RINGSWAP_FUSED_KERNELS"] = "0" if "/torch-join" in fmt else "1"
         try:
-            row = probe(fmt.split("/")[0], int(a.params), a.repeat, dev, words=fmt.endswith("/f2"))
+            base, *opts = fmt.split("/")
+            sizes = {o[0]: int(o[1:]) for o in opts if o[:1] in ("c", "p") and o[1:].isdigit()}
+            row = probe(base, int(a.params), a.repeat, dev, words="f2" in opts,
+                        chunk_kib=sizes.get("c"), part_mib=sizes.get("p"), latency="lat" in opts)
             row["format"] = fmt
         except Exception as e:   # noqa: BLE001  (an API mismatch is the finding: report it, go on)
             row = {"format": fmt, "error": f"{type(e).__name__}: {e}"}

@@ -187,13 +187,14 @@ class AnsPlanes:
     """nvCOMP's ANS on one CUDA stream of its own. Each part size gets a compression config and
     the decompression config built from it, so a decode never reads a header back to the host."""
 
-    def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None, data_type: str = "|u1"):
+    def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None, data_type: str = "|u1",
+                 **codec_options):
         self.nvcomp = nvcomp_module()
         self.device = torch.device(device)
         self.stream = stream or torch.cuda.Stream(self.device, priority=-1)   # decodes first where SMs free up
         self.words = data_type == "<f2"   # ANS's 16-bit float mode: parts coded whole, as 16-bit words
-        self.codec = self.nvcomp.Codec(algorithm="ANS", device_id=self.device.index or 0,
-                                       cuda_stream=self.stream.cuda_stream, data_type=data_type)
+        self.codec = self.nvcomp.Codec(algorithm="ANS", device_id=self.device.index or 0,   # options: nvcomp.Codec's
+                                       cuda_stream=self.stream.cuda_stream, data_type=data_type, **codec_options)
         self._configs: dict[int, tuple] = {}
 
     def _config(self, nbytes: int) -> tuple:

@@ -24,9 +24,9 @@ def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype, compress):
     from ringswap.loaders.comfyui_adapter import compress_choice
     if compress == "on" and compress_choice.nvcomp_missing():
         pytest.skip("needs nvCOMP (scripts/prepare_nvcomp_wheels.sh)")
-    path = tiny_wan(str(tmp_path), blocks=4, dim=512 if compress == "on" else 128,
-                    ffn_dim=2048 if compress == "on" else 256, dtype=dtype)   # blocks large enough to code
-    sd = build_lora("mixed", blocks=4)
+    dim, ffn_dim = (512, 2048) if compress == "on" else (128, 256)   # blocks large enough to code
+    path = tiny_wan(str(tmp_path), blocks=4, dim=dim, ffn_dim=ffn_dim, dtype=dtype)
+    sd = build_lora("mixed", dim=dim, ffn_dim=ffn_dim, blocks=4)
     stock = load_stock(path)
     ref, _ = comfy.sd.load_lora_for_models(stock, None, from_diffusers_names(sd), 1.0, 0)
     want = forward(ref, *inputs(seed=0))
