@@ -67,6 +67,7 @@ class BlockSwapEngine:
         self.observer: Callable[[], None] | None = None   # called before each streamed block and model call (keep it cheap)
         self.coder_factory: Callable[[torch.device], PlaneCoder] | None = None   # for attach(compress=True)
         self.coding: Coding | None = None
+        self.in_order = True   # the model runs nothing between a block and the next (timing; VACE: False)
         if read_block is not None:   # weights come from the reader: drop what the modules hold
             for st in self.states:
                 st.unbind(torch.device("cpu"))
@@ -84,8 +85,7 @@ class BlockSwapEngine:
 
     def device_bytes(self, plan: ResidencyPlan | None = None) -> int:
         """Bytes of block weights on the device under `plan` (default: the attached one)."""
-        plan = plan or (self.att.plan if self.att else None)
-        if plan is None:
+        if (plan := plan or (self.att.plan if self.att else None)) is None:
             return 0
         ring = max((self.states[i].layout.nbytes for i in plan.streamed), default=0)
         return sum(self.states[i].layout.nbytes for i in plan.resident) + ring * plan.ring_slots
@@ -281,7 +281,7 @@ class BlockSwapEngine:
             self._issue(block, slot)
         if slot.reading:
             att.file.finish(slot, wait=True)
-        waited = att.copier.compute_wait(slot.ready)
+        waited = att.copier.compute_wait(slot.ready, block if self.in_order else None)
         s = self.states[block]
         s.slot = slot
         if att.on_land is not None and not slot.landed:
@@ -303,7 +303,7 @@ class BlockSwapEngine:
         s.slot = None
         if slot is None or slot.owner != block:
             return
-        slot.free = att.copier.record_compute()
+        slot.free = att.copier.record_compute(block)
         upcoming = att.upcoming()
         if block in upcoming[:len(att.ring.slots)]:   # called again soon (e.g. the next VACE context): keep it
             if att.file is not None:

@@ -30,7 +30,7 @@ class RamSource:
             staged.copy_(src)
             src = staged
         slot.reading = False
-        slot.ready = self.att.copier.copy(slot.flat[:nbytes], src, slot.free, late=slot.staging is not None)
+        slot.ready = self.att.copier.copy(slot.flat[:nbytes], src, slot.free)
 
 
 class CodedSource:
@@ -81,7 +81,7 @@ class FileSource:
             staged = self.readahead.take(block, nbytes)
             att.stats.read_wait_s += time.perf_counter() - t0
         staged.future.result()
-        slot.ready = att.copier.copy(slot.flat[:nbytes], staged.buffer.flat[:nbytes], slot.free, late=True)
+        slot.ready = att.copier.copy(slot.flat[:nbytes], staged.buffer.flat[:nbytes], slot.free)
         self.readahead.release(staged, slot.ready)
         slot.reading = False
         att.stats.bytes_read += nbytes

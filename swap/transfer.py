@@ -5,12 +5,15 @@ says its destination slot is free, then records an event that the compute stream
 on before the block runs. The host never synchronises in the block loop. On a CPU
 "device" the same calls copy inline, so the engine's logic runs unchanged in CI.
 
-Measuring takes one event per streamed block beyond the ones that order the streams (the
-compute stream's mark before it waits), a second where the host issues the copy late
-(staged, or after a read: its start) and on one landing in LAND_SAMPLE with on-land work
-(its end). A copy lasts from the later of the previous copy's end and its slot's free
-event (or its own start) to its end; a stall from the mark to the copy's end. Finished
-events are folded into running totals as they pile up, so a run holds a few, not one per copy.
+Measuring adds at most one event per streamed block to the ones that order the streams:
+a copy lasts from the later of the previous copy's end and its slot's free event to its
+end (for a copy the host issues after its own work, a staging copy or a read, that counts
+the time the host held it back: the rate blocks arrive at); a stall lasts from the compute
+stream's arrival to the copy's end. The arrival is the slot-free event of the block that
+ran just before where there is one (`follows`), else a mark of its own; a block that
+follows so may have its on-land work (LoRA fold) timed, by an end event (one in
+LAND_SAMPLE). Finished events are folded into running totals as they pile up, so a run
+holds a few, not one per copy.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 
 
 FOLD_AT = 64       # measurements held before the finished ones are folded into a total
-LAND_SAMPLE = 8    # one landing in this many has its on-land work (LoRA fold) timed
+LAND_SAMPLE = 8    # one landing in this many (of those that follow a streamed block) has its on-land work timed
 
 
 def _seconds(m: tuple) -> float:
@@ -89,16 +92,24 @@ class CopyStream:
         self._call_start = None
         self._last_copy: dict = {}            # each stream's latest end event (copy stream, coder's)
         self._streams = {self.stream} if self.cuda else set()
-        self._landings = 0
+        self._landings = 0                    # landings that followed a streamed block (the ones sampled)
+        self._freed: tuple | None = None      # (block, event): the last slot-free event on the compute stream
+        self._follows = False                 # the last compute_wait started from it
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None", late: bool = False):
-        """Copy src into dst once `after` has happened; returns the event of completion.
-        `late`: the host issues this copy after its own work (a staged copy or a read), so it
-        is timed from a start event of its own, not from what the stream did before."""
-        return self.enqueue(lambda: dst.copy_(src, non_blocking=True), after, late)
+    def _started(self, stream: "torch.cuda.Stream"):
+        """The event a copy on `stream` is timed from when nothing precedes it there: one per
+        stream and run, recorded before its first copy."""
+        last = self._last_copy.get(stream)
+        if last is None:
+            last = self._last_copy[stream] = _timing_event()
+            last.record(stream)
+        return last
 
-    def enqueue(self, work, after: "torch.cuda.Event | None", late: bool = False,
-                stream: "torch.cuda.Stream | None" = None):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None"):
+        """Copy src into dst once `after` has happened; returns the event of completion."""
+        return self.enqueue(lambda: dst.copy_(src, non_blocking=True), after)
+
+    def enqueue(self, work, after: "torch.cuda.Event | None", stream: "torch.cuda.Stream | None" = None):
         """Run `work()` (copies, and for a coded block its decode) on the copy stream, or on
         `stream` (a coder's own), once `after` has happened; returns its completion event, timed
         like a copy (from the stream's previous work there)."""
@@ -109,39 +120,42 @@ class CopyStream:
             return None
         stream = stream or self.stream
         self._streams.add(stream)
-        last = self._last_copy.get(stream)
+        last = self._started(stream)
         with torch.cuda.stream(stream):
-            start = None
             if after is not None:
                 stream.wait_event(after)
-            if late or (after is None and last is None):   # nothing to time it from
-                start = _timing_event()
-                start.record(stream)
             work()
             done = _timing_event()
             done.record(stream)
-        self._copies.add((done, start) if start is not None else (done, last, after))
+        self._copies.add((done, last, after))
         self._last_copy[stream] = done
         return done
 
-    def compute_wait(self, ready: "torch.cuda.Event | None") -> "torch.cuda.Event | None":
-        """Make the current (compute) stream wait for a copy, measuring the stall; returns
-        the mark recorded before the wait (None: nothing waited for, or the CPU)."""
+    def compute_wait(self, ready: "torch.cuda.Event | None", block: int | None = None) -> "torch.cuda.Event | None":
+        """Make the current (compute) stream wait for a copy, measuring the stall; returns the
+        compute stream's arrival (None: nothing waited for, or the CPU). `block`: the block about
+        to run, where the model runs nothing between a block and the next (None: it may); if the
+        last slot-free event recorded was block - 1's, that event is the arrival, no new one."""
+        freed, self._freed = self._freed, None
+        self._follows = block is not None and freed is not None and freed[0] == block - 1
         if ready is None:
             return None
         stream = torch.cuda.current_stream(self.device)
-        before = _timing_event()
-        before.record(stream)
+        if self._follows:
+            before = freed[1]
+        else:   # a mark of its own (on the CPU, where nothing is recorded, `ready` is None)
+            before = _timing_event()
+            before.record(stream)
         stream.wait_event(ready)
         self._waits.add((ready, before))
         return before
 
     def landed(self, fn, *args, since: tuple = ()):
         """Run the on-land work `fn(*args)` on the compute stream and return what it returns;
-        time one landing in LAND_SAMPLE, from the latest of `since` (the events it waited
-        for) to its end."""
-        timed = self._landings % LAND_SAMPLE == 0
-        self._landings += 1
+        time one landing in LAND_SAMPLE of those that followed a streamed block (the arrival
+        came free), from the latest of `since` (the events it waited for) to its end."""
+        timed = self._follows and self._landings % LAND_SAMPLE == 0
+        self._landings += self._follows
         if not self.cuda:
             t0 = time.perf_counter()
             out = fn(*args)
@@ -155,13 +169,14 @@ class CopyStream:
             self._lands.add((end, *since))
         return out
 
-    def record_compute(self) -> "torch.cuda.Event | None":
-        """An event marking the end of the compute enqueued so far (timing: a copy into the
-        slot it frees starts no earlier)."""
-        if not self.cuda:
-            return None
-        event = _timing_event()
-        event.record(torch.cuda.current_stream(self.device))
+    def record_compute(self, block: int) -> "torch.cuda.Event | None":
+        """An event marking the end of the compute enqueued so far, after `block` ran (timing: a
+        copy into the slot it frees starts no earlier; the next block's arrival)."""
+        event = None
+        if self.cuda:
+            event = _timing_event()
+            event.record(torch.cuda.current_stream(self.device))
+        self._freed = (block, event)
         return event
 
     def mark_call(self, start: bool) -> None:
@@ -171,6 +186,7 @@ class CopyStream:
         else:
             mark = _timing_event()
             mark.record(torch.cuda.current_stream(self.device))
+        self._freed = None
         if start:
             self._call_start = mark
         elif self._call_start is not None:

@@ -23,6 +23,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 }
 GENERIC = ("blocks", "double_blocks", "single_blocks", "double_stream_blocks", "single_stream_blocks",
            "transformer_blocks", "joint_blocks", "layers", "vace_blocks")
+INTERLEAVED = ("vace_blocks",)   # lists whose blocks run between another list's blocks
 # every name a block tensor's key may start with (the loader classifies keys before the model exists)
 ALL_NAMES = tuple(dict.fromkeys(GENERIC + tuple(n for names in FAMILIES.values() for n in names)))
 
@@ -34,6 +35,11 @@ def list_names(diffusion_model: nn.Module) -> tuple[str, ...]:
         if names is not None:
             return names
     return GENERIC
+
+
+def interleaved(names: list[str]) -> bool:
+    """Whether blocks of these lists run between the blocks of another (e.g. Wan VACE's)."""
+    return len(names) > 1 and any(n in INTERLEAVED for n in names)
 
 
 def nonblock_bytes(diffusion_model: nn.Module, list_names: list[str]) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 from ...swap import BlockSwapEngine
 from ...swap.layout import BlockLayout, codec_for
 from . import gguf_tensors
-from .block_lists import find_block_lists, nonblock_bytes
+from .block_lists import interleaved, find_block_lists, nonblock_bytes
 from .run_state import swap_state_on
 
 log = logging.getLogger("ringswap.swap_state")
@@ -35,6 +35,7 @@ class SwapState:
         gguf_tensors.register_for(diffusion_model)
         _refuse_unknown_tensors(lists)
         self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
+        self.engine.in_order = not interleaved(self.list_names)
         self.measured: dict = {}   # (latent shape, conds a call) -> run_plan.Measured (activation peak, compute time)
         self.nonblock_bytes = nonblock_bytes(diffusion_model, self.list_names)
 

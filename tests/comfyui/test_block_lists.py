@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from ringswap.loaders.comfyui_adapter.block_lists import ALL_NAMES, FAMILIES, GENERIC, list_names
+from ringswap.loaders.comfyui_adapter.block_lists import ALL_NAMES, FAMILIES, GENERIC, interleaved, list_names
 
 MODULES = {   # where ComfyUI defines each family's diffusion model class
     "WanModel": "comfy.ldm.wan.model", "VaceWanModel": "comfy.ldm.wan.model", "Flux": "comfy.ldm.flux.model",
@@ -41,3 +41,10 @@ def test_unknown_models_use_the_generic_names_and_all_names_cover_every_list():
     assert list_names(torch.nn.Linear(2, 2)) == GENERIC
     assert set(GENERIC) <= set(ALL_NAMES)
     assert all(set(names) <= set(ALL_NAMES) for names in FAMILIES.values())
+
+
+def test_only_vace_lists_interleave():
+    """The engine times a block's stall from the block before's slot-free event only where
+    nothing runs between them: every family but VACE (whose vace blocks run between main blocks)."""
+    assert [f for f, names in FAMILIES.items() if interleaved(list(names))] == ["VaceWanModel"]
+    assert not interleaved(["vace_blocks"])

@@ -149,6 +149,7 @@ def test_vace_blocks_stream_and_stay_exact_with_two_contexts(vace):
         streamed = set(model.swap_engine.plan.streamed)
         comfy.model_management.unload_all_models()
         assert set(range(VACE_MAIN, VACE_MAIN + VACE_BLOCKS)) <= streamed
+        assert not model.swap_engine.in_order   # vace blocks run between main blocks: no arrival reused
         assert all(torch.equal(a, b) for a, b in zip(outs, refs)), f"prefetch {prefetch}"
 
 

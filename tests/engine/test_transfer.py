@@ -1,12 +1,13 @@
 """The copy stream's timings: a long run holds a bounded number of measurements, folded into
 totals that equal the sum of every copy's time (CPU); on CUDA, copies timed from the stream's
-order (no start event) agree with the copy stream's own busy time."""
+order (no start event) agree with the copy stream's own busy time, and the engine records at
+most one event per streamed block beyond the two that order the streams."""
 import time
 
 import pytest
 import torch
 
-from ringswap.swap import transfer
+from ringswap.swap import BlockSwapEngine, ResidencyPlan, transfer
 from ringswap.swap.staged_copy import CHUNK, PinnedChunks
 from ringswap.swap.host_pool import mapped_bytes
 from ringswap.swap.transfer import CopyStream
@@ -19,15 +20,21 @@ def test_a_long_run_holds_few_timings_and_loses_none():
         copier.copy(dst, src, None)
         assert len(copier._copies.held) < transfer.FOLD_AT
     ran = []
-    for k in range(2 * transfer.LAND_SAMPLE + 1):
+    for k in range(2 * transfer.LAND_SAMPLE + 1):   # each block right after the last: may be sampled
+        copier.record_compute(k - 1)
+        copier.compute_wait(None, k)
+        copier.landed(ran.append, k)
+    for k in range(2 * transfer.LAND_SAMPLE):   # after another block, or where blocks interleave: never
+        copier.record_compute(k)
+        copier.compute_wait(None, k + 2 if k % 2 else None)
         copier.landed(ran.append, k)
     copier.mark_call(start=True)
     copier.mark_call(start=False)
     held = copier._copies.sum + sum(m[0] for m in copier._copies.held)
     copy_s, wait_s, lands, calls = copier.take_times()
     assert copy_s == pytest.approx(held, rel=1e-12) and wait_s == copy_s > 0
-    assert ran == list(range(2 * transfer.LAND_SAMPLE + 1))   # every landing's work runs
-    assert len(lands) == 3 and len(calls) == 1                # one landing in LAND_SAMPLE is timed
+    assert ran == list(range(2 * transfer.LAND_SAMPLE + 1)) + list(range(2 * transfer.LAND_SAMPLE))   # all ran
+    assert len(lands) == 3 and len(calls) == 1   # one landing in LAND_SAMPLE of those that follow is timed
     assert copier.take_times() == (0.0, 0.0, [], [])   # taken: the next run starts from nothing
 
 
@@ -56,11 +63,51 @@ def test_cuda_copies_timed_from_the_stream_order():
     for _ in range(4):   # each copy waits for ~50 ms of compute; the compute then waits for it
         for _ in range(60):
             a = a @ a / 64
-        ready = copier.copy(dst, src, copier.record_compute())
+        ready = copier.copy(dst, src, copier.record_compute(0))
         copier.compute_wait(ready)
     copy_s, wait_s, _, _ = copier.take_times()
     assert 0.8 * 4 * per_copy <= copy_s <= 1.25 * 4 * per_copy, (copy_s, per_copy)
     assert 0.8 * copy_s <= wait_s <= 1.05 * copy_s, (wait_s, copy_s)
+    for k in range(4):   # the same, the stall timed from the slot-free event of the block before
+        for _ in range(60):
+            a = a @ a / 64
+        ready = copier.copy(dst, src, copier.record_compute(k))
+        copier.compute_wait(ready, k + 1)
+    copy_s, wait_s, _, _ = copier.take_times()
+    assert 0.8 * 4 * per_copy <= copy_s <= 1.25 * 4 * per_copy, (copy_s, per_copy)
+    assert 0.8 * copy_s <= wait_s <= 1.05 * copy_s, (wait_s, copy_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [1, 3])
+def test_at_most_one_measuring_event_per_streamed_block(monkeypatch, window):
+    """Over a run of several calls with a LoRA-like on-land step, the events the copy stream
+    records: two per streamed block order the streams (the copy's end, the slot's free event);
+    beyond them at most one per streamed block, plus a few per call and run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from toy_blocks import N, make_blocks, run
+    dev = torch.device("cuda")
+    made = []
+    real = transfer._timing_event
+    monkeypatch.setattr(transfer, "_timing_event", lambda: made.append(1) or real())
+    blocks = make_blocks()
+    want = run(make_blocks().to(dev), torch.ones(4, 32, device=dev))
+    engine = BlockSwapEngine(list(blocks))
+    plan = ResidencyPlan.make(N, window, 1)
+    engine.attach(dev, plan, on_land=lambda block, tensors: None)
+    made.clear()
+    calls = 20
+    for _ in range(calls):
+        engine.begin_call()
+        assert torch.equal(run(blocks, torch.ones(4, 32, device=dev)), want)
+        engine.end_call()
+    stats = engine.end_run()
+    streamed = calls * len(plan.streamed)
+    assert stats.forwards == streamed
+    assert len(made) <= 3 * streamed + 2 * calls + 2, (len(made), streamed)
+    assert stats.land_times and stats.copy_s > 0
+    engine.detach()
 
 
 @pytest.mark.gpu
