@@ -11,6 +11,7 @@ entropy coder; nvCOMP does the coding.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -20,8 +21,11 @@ from .host_pool import HostBuffer
 from .plane_join import join_words
 
 NVCOMP_PACKAGES = "nvidia-nvcomp-cu13 (torch built for CUDA 13) or nvidia-nvcomp-cu12 (CUDA 12)"
-PART_BYTES = 32 << 20    # a part's raw bytes: the device scratch holds a few parts, not a block
-PARTS_IN_FLIGHT = 4      # scratch room for parts on CUDA: copies run this many parts less one ahead
+# A part's raw MiB (the device scratch holds a few parts, not a block; larger parts decode in fewer,
+# fuller nvCOMP calls) and the part rooms on CUDA (copies run this many parts less one ahead of the
+# decodes); RINGSWAP_CODED_PARTS="MiB,rooms" sets others for a benchmark (bench/RESULTS.md).
+_PART_MIB, PARTS_IN_FLIGHT = (int(v) for v in os.environ.get("RINGSWAP_CODED_PARTS", "128,2").split(","))
+PART_BYTES = _PART_MIB << 20
 PAYS_RATIO = 0.9         # a block coded to more than this of its bytes stays raw
 ALIGN = 16               # nvCOMP reads and writes device buffers at 16-byte aligned addresses
 

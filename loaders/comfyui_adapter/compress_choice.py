@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
@@ -21,7 +20,6 @@ SCRATCH_BYTES = PARTS_IN_FLIGHT * (PART_BYTES * 3 // 2 + (4 << 20))   # part roo
 # decode took about as much GPU time as the shorter copies saved (1.04 x, bench/RESULTS.md 2026-12-04).
 AUTO_WHEN_COPY_BOUND = False
 ANS_DATA_TYPE = "|u1"   # byte planes; "<f2": ANS codes whole 16-bit words (no re-interleave), see bench/plane_probe.py
-ANS_CHUNK_KIB = 64      # ANS's chunk (nvCOMP's default); RINGSWAP_ANS_CHUNK_KIB sets another for a benchmark
 _said: set[str] = set()   # auto's "off" reasons already logged (one line each per process)
 
 
@@ -88,8 +86,7 @@ def decide(mode: str, bound: str, ram_short: bool, ram_homes: bool) -> tuple[boo
 
 
 def coder_factory(device: torch.device) -> AnsPlanes:
-    chunk_kib = int(os.environ.get("RINGSWAP_ANS_CHUNK_KIB", ANS_CHUNK_KIB))
-    return AnsPlanes(device, data_type=ANS_DATA_TYPE, uncomp_chunk_size=chunk_kib << 10)
+    return AnsPlanes(device, data_type=ANS_DATA_TYPE)   # ANS's 64 KiB chunks: 16 or 32 KiB code worse (plane_probe)
 
 
 def line(engine, why: str, streamed: tuple[int, ...], calls_per_step: int) -> str:
