@@ -10,15 +10,19 @@ import torch
 
 from ...swap.plane_codec import PART_BYTES, PARTS_IN_FLIGHT, AnsPlanes, nvcomp_module
 from ...swap.planner import WindowPlan
+from ...swap.timing import call_seconds
 from ...swap.ram_plan import RamSplit
 
 log = logging.getLogger("ringswap.compress")
 
 COMPRESS_MODES = ("auto", "on", "off")
 SCRATCH_BYTES = PARTS_IN_FLIGHT * (PART_BYTES * 3 // 2 + (4 << 20))   # part rooms: coded bytes, low and high planes
-# Copy-bound runs are not coded by `auto` yet: on the H200 at 12 GiB with a halved link (cfg 1) the
-# decode took about as much GPU time as the shorter copies saved (1.04 x, bench/RESULTS.md 2026-12-04).
-AUTO_WHEN_COPY_BOUND = False
+# auto codes a copy-bound run where the planner's call model, with the streamed blocks' copies shrunk
+# to the ratio and their decodes added to compute, makes a call AUTO_GAIN faster (bench/RESULTS.md).
+AUTO_GAIN = 0.95
+RATIO_GUESS = 0.70        # 16-bit weights code to ~0.68 (plane_probe); the engine's own ratio once it coded
+DECODE_GUESS = 200e9      # block bytes a second the decode gives back beside compute (H200, 128 MiB parts)
+BESIDE_COMPUTE = 0.8      # a decode timed alone runs at about this share of its rate beside compute
 ANS_DATA_TYPE = "|u1"   # byte planes; "<f2": ANS codes whole 16-bit words (no re-interleave), see bench/plane_probe.py
 _said: set[str] = set()   # auto's "off" reasons already logged (one line each per process)
 
@@ -33,13 +37,14 @@ def nvcomp_missing() -> str | None:
     return None
 
 
-def scratch_bytes(mode: str, device: torch.device, home: str, own_load: bool, coded: bool = False) -> int:
-    """The decode scratch a load's plan counts: where it may code blocks (see `choose`; auto codes
-    copy-bound runs only with AUTO_WHEN_COPY_BOUND, else only where home=auto may run short of RAM),
-    or holds coded homes already (`coded`: decoded whatever the setting is now)."""
+def scratch_bytes(mode: str, device: torch.device, home: str, own_load: bool, coded: bool = False,
+                  copy_bound: bool = False) -> int:
+    """The decode scratch a load's plan counts: where it may code blocks (see `choose`: auto codes
+    where home=auto may run short of RAM, or a run the last plan found copy-bound), or holds coded
+    homes already (`coded`: decoded whatever the setting is now)."""
     if coded:
         return SCRATCH_BYTES
-    may = mode == "on" or (mode == "auto" and (AUTO_WHEN_COPY_BOUND or home == "auto"))
+    may = mode == "on" or (mode == "auto" and (home == "auto" or copy_bound))
     usable = own_load and device.type == "cuda" and nvcomp_missing() is None
     return SCRATCH_BYTES if may and usable else 0
 
@@ -50,10 +55,11 @@ SHARED = ("this MODEL's blocks are shared with the node that loaded it, which mu
 
 
 def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | None, ram_homes: bool,
-           own_load: bool) -> tuple[bool, str]:
+           own_load: bool, coding=None) -> tuple[bool, str]:
     """(code the streamed RAM homes?, why). `ram_homes`: some streamed block has a RAM home;
     `own_load`: the blocks are RingSwap's own (read from the file), not a shared MODEL's, which a
-    coded home would leave without weights. on: a clear error where nothing can code; auto: off
+    coded home would leave without weights; `coding`: the engine's swap.coding.Coding, whose measured
+    ratio and decode rate replace the guesses. on: a clear error where nothing can code; auto: off
     with one log line."""
     if mode == "off":
         return False, ""
@@ -66,12 +72,29 @@ def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | 
             _said.add(why_not)
             log.info("RingSwap compress auto: off (%s)", why_not.removeprefix("RingSwap compress: "))
         return False, ""
-    return decide(mode, plan.bound, bool(split is not None and split.file_blocks), ram_homes)
+    estimate = None
+    if plan.bound == "copy-bound":
+        ratio = coding.ratio if coding is not None and coding.encoded[0] else RATIO_GUESS
+        rate = BESIDE_COMPUTE * coding.decode_rate if coding is not None and coding.decode_rate else DECODE_GUESS
+        estimate = (plan.call_s, coded_call_s(plan, ratio, rate))
+    return decide(mode, plan.bound, bool(split is not None and split.file_blocks), ram_homes, estimate)
 
 
-def decide(mode: str, bound: str, ram_short: bool, ram_homes: bool) -> tuple[bool, str]:
+def coded_call_s(plan: WindowPlan, ratio: float, decode_bytes_per_s: float) -> float:
+    """Seconds of a model call under a timed `plan` with its streamed blocks' copies shrunk to
+    `ratio` and their decodes (at `decode_bytes_per_s` of GPU time) added to the compute: the
+    planner's own call model (swap.timing)."""
+    i, r = plan.inputs, plan.residency
+    streamed = set(r.streamed)
+    sizes = tuple(int(b * ratio) if k in streamed else b for k, b in enumerate(i.block_sizes))
+    return call_seconds(sizes, r, i.compute_s + plan.streamed_bytes / decode_bytes_per_s, i.link_bytes_per_s)
+
+
+def decide(mode: str, bound: str, ram_short: bool, ram_homes: bool,
+           estimate: tuple[float, float] | None = None) -> tuple[bool, str]:
     """The decision where coding is possible: (code?, why). `bound`: the plan's verdict
-    (swap.planner.WindowPlan.bound); `ram_short`: home=auto reads some streamed blocks from the file."""
+    (swap.planner.WindowPlan.bound); `ram_short`: home=auto reads some streamed blocks from the file;
+    `estimate`: (seconds of a call, the same coded) where the plan is timed and copy-bound."""
     if not ram_homes:
         return False, "compress: nothing streams from RAM"
     if mode == "on":
@@ -80,9 +103,13 @@ def decide(mode: str, bound: str, ram_short: bool, ram_homes: bool) -> tuple[boo
         return True, "compress auto: RAM is short"
     if bound in ("hidden", "resident"):
         return False, "compress auto: copies hide under compute, no block coded for this load"
-    if not AUTO_WHEN_COPY_BOUND:
-        return False, f"compress auto: {bound}, but decoding costs about what it saves here; compress=on codes anyway"
-    return True, f"compress auto: {bound}"
+    if estimate is None:
+        return False, "compress auto: compute and link not measured yet (a later run decides); compress=on codes now"
+    raw, coded = estimate
+    if coded > AUTO_GAIN * raw:
+        return False, (f"compress auto: copy-bound, but the decodes would cost about what shorter copies save "
+                       f"(est. {coded:.2f} s a call coded vs {raw:.2f} s); compress=on codes anyway")
+    return True, f"compress auto: copy-bound, est. {coded:.2f} s a call coded vs {raw:.2f} s"
 
 
 def coder_factory(device: torch.device) -> AnsPlanes:

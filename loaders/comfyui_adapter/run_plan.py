@@ -183,9 +183,10 @@ def _compute_s(patcher, request: RunRequest | None, conds: int) -> float:
 
 
 def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequest | None,
-                window: int | None = None, conds: int = 1) -> PlanInputs:
+                window: int | None = None, conds: int = 1, copy_bound: bool = False) -> PlanInputs:
     """The planner's inputs for `patcher` on `device` (free_bytes: what this model can have)
-    with `conds` of the step's conds in each model call."""
+    with `conds` of the step's conds in each model call (`copy_bound`: a plan without the decode
+    scratch was copy-bound, so compress=auto may code and the scratch counts)."""
     state, settings = patcher.swap_state, patcher.ringswap
     engine = state.engine
     measured = measured_for(patcher, request, conds)
@@ -201,7 +202,7 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
         block_sizes=tuple(s.layout.nbytes + (folder.extra_bytes(s.index) if folder else 0) for s in engine.states),
         nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes if folder else 0)
         + compress_choice.scratch_bytes(settings.compress, device, engine.home, engine.read_block is not None,
-                                         bool(engine.pool.coded)),
+                                         bool(engine.pool.coded), copy_bound),
         free_bytes=int(free_bytes), reserve_bytes=features.reserved_vram(source == MEASURED),
         activation_bytes=int(activation),
         activation_source=source, budget_bytes=int(settings.vram_budget_gb * GB),
@@ -222,9 +223,14 @@ def plan_for_load(patcher, device: torch.device, full_load: bool) -> WindowPlan:
     window = n if everything and not settings.window else None
     free = free_for(patcher, device)
     per_step = request.conds_per_step if request is not None else 1
-    plan = plan_step(plan_inputs(patcher, device, free, request, window, conds=per_step),
-                     plan_inputs(patcher, device, free, request, window, conds=1))
-    return dataclasses.replace(plan, automatic=not settings.window)
+
+    def plan(copy_bound: bool) -> WindowPlan:
+        return plan_step(plan_inputs(patcher, device, free, request, window, per_step, copy_bound),
+                         plan_inputs(patcher, device, free, request, window, 1, copy_bound))
+    first = plan(False)
+    if first.bound == "copy-bound" and settings.compress == "auto":   # auto may code: its scratch counts
+        first = plan(True)
+    return dataclasses.replace(first, automatic=not settings.window)
 
 
 def free_for(patcher, device: torch.device) -> int:

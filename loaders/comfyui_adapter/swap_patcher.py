@@ -159,7 +159,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         compress, why = compress_choice.choose(self.ringswap.compress, device, plan, split,
                                                bool(engine.ram_homes(plan.residency, ram_blocks)
                                                     & set(plan.residency.streamed)),
-                                               own_load=engine.read_block is not None)
+                                               own_load=engine.read_block is not None, coding=engine.coding)
         if compress:
             engine.coder_factory = compress_choice.coder_factory
         engine.attach(device, plan.residency, self.ringswap.pin_memory,

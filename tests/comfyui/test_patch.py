@@ -252,22 +252,41 @@ def test_compress_on_without_cuda_or_nvcomp_is_a_clear_error_and_auto_is_off(ref
     assert not model.swap_engine.pool.coded
 
 
-@pytest.mark.parametrize("mode, bound, ram_short, ram_homes, code, why", [
-    ("on", "hidden", False, True, True, "compress on"),
-    ("on", "copy-bound", False, False, False, "nothing streams from RAM"),
-    ("auto", "copy-bound", True, True, True, "RAM is short"),
-    ("auto", "hidden", True, True, True, "RAM is short"),
-    ("auto", "hidden", False, True, False, "copies hide"),
-    ("auto", "resident", False, True, False, "copies hide"),
-    ("auto", "copy-bound", False, True, False, "compress=on codes anyway"),   # AUTO_WHEN_COPY_BOUND off
-    ("auto", "unknown", False, True, False, "compress=on codes anyway"),
-    ("auto", "copy-bound", True, False, False, "nothing streams from RAM"),
+@pytest.mark.parametrize("mode, bound, ram_short, ram_homes, estimate, code, why", [
+    ("on", "hidden", False, True, None, True, "compress on"),
+    ("on", "copy-bound", False, False, (0.8, 0.6), False, "nothing streams from RAM"),
+    ("auto", "copy-bound", True, True, (0.8, 0.9), True, "RAM is short"),
+    ("auto", "hidden", True, True, None, True, "RAM is short"),
+    ("auto", "hidden", False, True, None, False, "copies hide"),
+    ("auto", "resident", False, True, None, False, "copies hide"),
+    ("auto", "copy-bound", False, True, (0.80, 0.60), True, "est. 0.60 s a call coded vs 0.80 s"),
+    ("auto", "copy-bound", False, True, (0.95, 0.98), False, "compress=on codes anyway"),
+    ("auto", "copy-bound", False, True, (1.00, 0.96), False, "compress=on codes anyway"),   # under 5%
+    ("auto", "unknown", False, True, None, False, "not measured yet"),
+    ("auto", "copy-bound", True, False, (0.8, 0.6), False, "nothing streams from RAM"),
 ])
-def test_compress_decision_table(mode, bound, ram_short, ram_homes, code, why):
+def test_compress_decision_table(mode, bound, ram_short, ram_homes, estimate, code, why):
     """Where coding is possible, whether a load codes its streamed RAM homes: on codes what streams
-    from RAM; auto where RAM is short (fewer file reads), not where copies hide, and not yet where
-    the run is only copy-bound (measured no faster, bench/RESULTS.md)."""
+    from RAM; auto where RAM is short (fewer file reads), not where copies hide, and where the run
+    is copy-bound only if the call model says coded calls are at least 5% faster."""
     from ringswap.loaders.comfyui_adapter import compress_choice
-    assert compress_choice.AUTO_WHEN_COPY_BOUND is False
-    got, said = compress_choice.decide(mode, bound, ram_short, ram_homes)
+    got, said = compress_choice.decide(mode, bound, ram_short, ram_homes, estimate)
     assert got is code and why in said
+
+
+@pytest.mark.parametrize("compute_s, code", [(0.438, True), (0.25, True), (0.876, False)])
+def test_compress_estimate_by_the_call_model(compute_s, code):
+    """The bench's copy-bound cells (Wan-14B bf16, 12 GiB: 9 resident + 31 streamed through 2 slots,
+    27.7 GB/s): cfg 1 at 7,800 tokens and the 4,096-token image are copy-bound with compute to
+    spare, so shorter copies pay (measured 0.75 x and 0.72 x); at cfg 5 the compute alone is near
+    the raw copies' time and the decodes would make calls slower."""
+    from ringswap.loaders.comfyui_adapter import compress_choice
+    from ringswap.swap.plan import ResidencyPlan
+    from ringswap.swap.planner import PlanInputs, WindowPlan
+    inputs = PlanInputs(block_sizes=(702_000_000,) * 40, nonblock_bytes=0, free_bytes=0,
+                        link_bytes_per_s=27.7e9, compute_s=compute_s)
+    plan = WindowPlan(inputs, ResidencyPlan.make(40, 10, 1), automatic=True)
+    assert plan.bound == "copy-bound" and plan.call_s > 0.78
+    coded = compress_choice.coded_call_s(plan, compress_choice.RATIO_GUESS, compress_choice.DECODE_GUESS)
+    got, _ = compress_choice.decide("auto", plan.bound, False, True, (plan.call_s, coded))
+    assert got is code, (plan.call_s, coded)
