@@ -227,10 +227,10 @@ def plan_for_load(patcher, device: torch.device, full_load: bool) -> WindowPlan:
     def plan(copy_bound: bool) -> WindowPlan:
         return plan_step(plan_inputs(patcher, device, free, request, window, per_step, copy_bound),
                          plan_inputs(patcher, device, free, request, window, 1, copy_bound))
-    first = plan(False)
-    if first.bound == "copy-bound" and settings.compress == "auto":   # auto may code: its scratch counts
-        first = plan(True)
-    return dataclasses.replace(first, automatic=not settings.window)
+    chosen = plan(False)
+    if chosen.bound == "copy-bound" and settings.compress == "auto":   # auto may code: its scratch counts
+        chosen = plan(True)
+    return dataclasses.replace(chosen, automatic=not settings.window)
 
 
 def free_for(patcher, device: torch.device) -> int:
