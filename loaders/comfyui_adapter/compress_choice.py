@@ -40,8 +40,9 @@ def nvcomp_missing() -> str | None:
 def scratch_bytes(mode: str, device: torch.device, home: str, own_load: bool, coded: bool = False,
                   copy_bound: bool = False) -> int:
     """The decode scratch a load's plan counts: where it may code blocks (see `choose`: auto codes
-    where home=auto may run short of RAM, or a run the last plan found copy-bound), or holds coded
-    homes already (`coded`: decoded whatever the setting is now)."""
+    where home=auto may run short of RAM, or where the load's plan without the scratch is
+    copy-bound: `copy_bound`), or holds coded homes already (`coded`: decoded whatever the setting
+    is now)."""
     if coded:
         return SCRATCH_BYTES
     may = mode == "on" or (mode == "auto" and (home == "auto" or copy_bound))

@@ -14,7 +14,7 @@ from torch import nn
 from ...swap import BlockSwapEngine
 from ...swap.layout import BlockLayout, codec_for
 from . import gguf_tensors
-from .block_lists import interleaved, find_block_lists, nonblock_bytes
+from .block_lists import find_block_lists, interleaved, nonblock_bytes
 from .run_state import swap_state_on
 
 log = logging.getLogger("ringswap.swap_state")
