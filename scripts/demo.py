@@ -27,10 +27,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "comfyui"))
 RUN_MARK = "RingSwap run:"
 
 
-REPO_OUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--comfyui", default=os.environ.get("RINGSWAP_COMFYUI_DIR")
                     or os.path.join(REPO, ".comfyui"))
@@ -43,7 +40,33 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="force --cpu even if CUDA exists")
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--keep", action="store_true", help="keep the temp folders")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def report(srv, entry, use_patch: bool) -> bool:
+    """Print the run lines and copy the output latents to ./out; False where the run did
+    not write a latent or (with the patch) did not log RingSwap's run line."""
+    latents = [p for p in srv.output_files(entry, "latents") if os.path.isfile(p)]
+    lines = [ln for ln in srv.log_text().splitlines() if RUN_MARK in ln]
+    for ln in lines:
+        print(ln)
+    if not latents:
+        print("demo: FAILED: no latent file was written", file=sys.stderr)
+        return False
+    if use_patch and not lines:
+        print(f"demo: FAILED: no '{RUN_MARK}' line in the server log; tail:\n"
+              + srv.log_tail(), file=sys.stderr)
+        return False
+    out_dir = os.path.join(REPO, "out")
+    os.makedirs(out_dir, exist_ok=True)
+    for p in latents:
+        kept = shutil.copy(p, os.path.join(out_dir, os.path.basename(p)))
+        print(f"demo: output latent {kept} ({os.path.getsize(kept)} bytes)")
+    return True
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     use_patch = not a.no_patch
 
     comfy_dir = os.path.abspath(a.comfyui)
@@ -83,22 +106,8 @@ def main(argv=None) -> int:
                 print(f"demo: FAILED: {e}", file=sys.stderr)
                 return 1
             run_s = time.perf_counter() - t1
-            latents = [p for p in srv.output_files(entry, "latents") if os.path.isfile(p)]
-            lines = [ln for ln in srv.log_text().splitlines() if RUN_MARK in ln]
-            for ln in lines:
-                print(ln)
-            if not latents:
-                print("demo: FAILED: no latent file was written", file=sys.stderr)
+            if not report(srv, entry, use_patch):
                 return 1
-            if use_patch and not lines:
-                print(f"demo: FAILED: no '{RUN_MARK}' line in the server log; tail:\n"
-                      + srv.log_tail(), file=sys.stderr)
-                return 1
-            out_dir = os.path.join(REPO_OUT, "out")
-            os.makedirs(out_dir, exist_ok=True)
-            for p in latents:
-                kept = shutil.copy(p, os.path.join(out_dir, os.path.basename(p)))
-                print(f"demo: output latent {kept} ({os.path.getsize(kept)} bytes)")
             if a.keep:
                 print(f"demo: server folder kept: {srv.workdir}")
             print(f"demo: OK: sampling {run_s:.1f}s, total {time.perf_counter() - t0:.1f}s"

@@ -125,21 +125,15 @@ class BlockSwapEngine:
 
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, plan: ResidencyPlan,
-               pin_memory: str = "auto", owner: object = None,
-               on_land: OnLand | None = None,
+               pin_memory: str = "auto", owner: object = None, on_land: OnLand | None = None,
                ram_blocks: Iterable[int] | None = None,
                progress: Callable[[int, int], None] | None = None, compress: bool = False) -> ResidencyPlan:
         """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
-        `on_land(block, tensors)` runs on the compute stream right after a block's weights
-        land on the device and before it computes (e.g. to fold LoRA deltas in place); it may
-        return {attr index: tensor} for the block to bind instead (e.g. a packed weight's
-        dense form), held until the block's slot or buffer is refilled; the host copy is
-        never touched. `ram_blocks` (home=auto): the streamed blocks to
-        hold in RAM, see `ram_homes`. `progress(done_bytes, total_bytes)` follows what is
-        read from the file (homes, resident blocks without one). Attaching again with the
-        same settings keeps everything and only takes `owner`. A resident block still on the
-        device (kept by `reattach`) is not placed again. `compress`: the streamed blocks' RAM
-        homes are kept coded (needs `coder_factory`; swap/coding.py)."""
+        `on_land(block, tensors)` runs on the compute stream when a block lands, before it
+        computes (a LoRA fold); it may return {attr index: tensor} to bind instead, held until
+        the slot is refilled. `ram_blocks` (home=auto): the streamed blocks held in RAM.
+        `progress(done, total)` follows file reads. The same settings again only take `owner`;
+        a resident block kept by `reattach` is not placed again. `compress`: coded RAM homes."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -165,14 +159,24 @@ class BlockSwapEngine:
         att.compress = compress
         if compress or self.pool.coded:   # coded homes decode with a coder for this device
             self.coding = coding_for(self.coding, self.coder_factory, device)
+        homed = [i for i in plan.streamed if i in keep]
         if compress:
-            self.coding.code_homes(self.states, self.pool, [i for i in plan.streamed if i in keep],
-                                   self.link_bytes_per_s)
-        pinning = home.lock_early(self.pool, device, pin_memory, [i for i in plan.streamed if i in keep])
+            self.coding.code_homes(self.states, self.pool, homed, self.link_bytes_per_s)
+        pinning = home.lock_early(self.pool, device, pin_memory, homed)
+        read_back = self._place_and_prime(att, placing, file_streamed, read_back, report, pinning)
+        self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
+        log.debug("attached on %s: %s, %s memory", device, plan.describe(), att.memory)
+        return plan
+
+    def _place_and_prime(self, att: Attachment, placing: list[int], file_streamed: list[int],
+                         read_back: int, report, pinning) -> int:
+        """Place the resident blocks, settle the homes, hook the streamed blocks and issue the
+        ring's first copies; on any failure the attachment is taken down again."""
+        plan, device, on_land = att.plan, att.device, att.on_land
         try:
             if file_streamed or any(not self.pool.has(i) for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.read_buffers, self.block_bytes(),
-                                          pin=device.type == "cuda" and pin_memory != "off")
+                                          pin=device.type == "cuda" and att.pin_memory != "off")
             read_back = placement.place_all(self.states, self.pool, att, placing, read_back, report, self.coding)
             if pinning is not None:
                 pinning.join()
@@ -193,9 +197,7 @@ class BlockSwapEngine:
             self.att = att
             self.detach()
             raise
-        self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
-        log.debug("attached on %s: %s, %s memory", device, plan.describe(), att.memory)
-        return plan
+        return read_back
 
     def _hook_streamed(self, att: Attachment) -> None:
         """The ring, the streamed blocks' sources and hooks; their parameters point at stand-ins."""
