@@ -37,6 +37,20 @@ def coding_for(coding: "Coding | None", factory, device: torch.device) -> "Codin
     return coding if coding is not None and coding.device == device else Coding(factory(device), device)
 
 
+def keep_coder(coding: "Coding | None", factory, att, states: list, pool: HostPool, room: int) -> "Coding | None":
+    """The coding that resident blocks kept in RAM at a detach go through (None: kept raw): a coded
+    load's own; or, where the load may code (`att.may_code`) and those blocks do not fit `room`
+    raw, one for the device: RAM is short, so they are kept coded (an expert switch finds them)."""
+    if coding is not None and coding.pays is False:
+        return None
+    if att.compress:
+        return coding if coding is not None and coding.pays else None
+    raw = sum(states[i].layout.nbytes for i in att.plan.resident if not pool.has(i))
+    if not att.may_code or factory is None or raw <= room:
+        return None
+    return coding_for(coding, factory, att.device)
+
+
 class Coding:
     """An engine's coder on one device, whether coding pays for its blocks, and the device
     scratch decodes go through while attached."""
@@ -118,6 +132,8 @@ class Coding:
                              download=chunks.download if chunks is not None else None, **_form(self.coder, s.layout))
         if block.coded_bytes > room:
             return 0
+        if not self.checked:   # a load that coded nothing before: its first block checked bit for bit
+            self._check(block, s.device_buffer)
         pool.coded[s.index] = block
         return block.coded_bytes
 

@@ -21,7 +21,7 @@ from .layout import BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .slot_ring import Slot, SlotRing
-from .coding import Coding, coding_for
+from .coding import Coding, coding_for, keep_coder
 from .plane_codec import PlaneCoder
 from .sources import CodedSource, FileSource, RamSource
 from .state import Attachment, BlockState, OnLand
@@ -127,13 +127,14 @@ class BlockSwapEngine:
     def attach(self, device: torch.device | str, plan: ResidencyPlan,
                pin_memory: str = "auto", owner: object = None, on_land: OnLand | None = None,
                ram_blocks: Iterable[int] | None = None,
-               progress: Callable[[int, int], None] | None = None, compress: bool = False) -> ResidencyPlan:
+               progress: Callable[[int, int], None] | None = None, compress: bool = False,
+               may_code: bool = False) -> ResidencyPlan:
         """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` runs on the compute stream when a block lands, before it
         computes (a LoRA fold); it may return {attr index: tensor} to bind instead, held until
         the slot is refilled. `ram_blocks` (home=auto): the streamed blocks held in RAM.
-        `progress(done, total)` follows file reads. The same settings again only take `owner`;
-        a resident block kept by `reattach` is not placed again. `compress`: coded RAM homes."""
+        `progress(done, total)` follows file reads. The same settings again only take `owner`.
+        `compress`: coded RAM homes; `may_code`: kept resident blocks coded where RAM is short."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -146,7 +147,7 @@ class BlockSwapEngine:
             a = self.att
             if (a.device, a.plan, a.pin_memory, a.on_land, a.ram_homes, a.compress) == \
                     (device, plan, pin_memory, on_land, keep, compress):
-                self.att.owner = owner
+                self.att.owner, self.att.may_code = owner, may_code
                 return plan
             self.detach()
         t0 = time.perf_counter()
@@ -156,7 +157,7 @@ class BlockSwapEngine:
         read_back = self._ensure_home(keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
         att = Attachment(device, plan, "", pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
-        att.compress = compress
+        att.compress, att.may_code = compress, may_code
         if compress or self.pool.coded:   # coded homes decode with a coder for this device
             self.coding = coding_for(self.coding, self.coder_factory, device)
         homed = [i for i in plan.streamed if i in keep]
@@ -231,7 +232,8 @@ class BlockSwapEngine:
         try:
             att.copier.synchronize()
             if self.home == "auto" and capture_bytes > 0 and att.on_land is None:
-                coding = self.coding if att.compress and self.coding is not None and self.coding.pays else None
+                coding = keep_coder(self.coding, self.coder_factory, att, self.states, self.pool, capture_bytes)
+                self.coding = self.coding if coding is None else coding
                 home.capture_resident(self.states, self.pool, att.plan.resident, capture_bytes, coding)
         finally:
             if att.readahead is not None:

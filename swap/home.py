@@ -115,8 +115,15 @@ def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nb
             if s.device_buffer is None or pool.has(i):
                 continue
             try:
-                done += coding.keep(s, pool, nbytes - done, chunks) if coding is not None else \
-                    _keep_raw(s, pool, chunks, nbytes - done)
+                try:
+                    done += coding.keep(s, pool, nbytes - done, chunks) if coding is not None else \
+                        _keep_raw(s, pool, chunks, nbytes - done)
+                except torch.cuda.OutOfMemoryError as e:
+                    if coding is None:
+                        raise
+                    log.info("RingSwap: no device memory to code the kept resident blocks (%s); kept raw", e)
+                    coding = None
+                    done += _keep_raw(s, pool, chunks, nbytes - done)
             except (OSError, RuntimeError) as e:
                 log.info("RingSwap: no more memory to keep resident blocks (%s)", e)
                 break

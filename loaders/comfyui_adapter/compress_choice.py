@@ -55,6 +55,18 @@ SHARED = ("this MODEL's blocks are shared with the node that loaded it, which mu
           "built for ComfyUI's dynamic VRAM")
 
 
+def cannot_code(device: torch.device, own_load: bool) -> str | None:
+    """Why a load cannot keep blocks coded on `device` (None: it can); `own_load` as in `choose`."""
+    return "there is no CUDA device to decode on" if device.type != "cuda" else nvcomp_missing() \
+        or (None if own_load else SHARED)
+
+
+def may_code(mode: str, device: torch.device, own_load: bool) -> bool:
+    """Whether resident blocks kept in RAM at an unload may be coded where they do not fit raw
+    (auto or on, and a coder here): an expert switch then finds them in RAM."""
+    return mode != "off" and cannot_code(device, own_load) is None
+
+
 def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | None, ram_homes: bool,
            own_load: bool, coding=None) -> tuple[bool, str]:
     """(code the streamed RAM homes?, why). `ram_homes`: some streamed block has a RAM home;
@@ -64,8 +76,7 @@ def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | 
     with one log line."""
     if mode == "off":
         return False, ""
-    why_not = ("there is no CUDA device to decode on" if device.type != "cuda" else nvcomp_missing()
-               or (None if own_load else SHARED))
+    why_not = cannot_code(device, own_load)
     if why_not is not None:
         if mode == "on":
             raise RuntimeError(why_not if why_not.startswith("RingSwap") else f"RingSwap: compress='on' but {why_not}")

@@ -156,15 +156,17 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         run.plan = plan
         split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
         ram_blocks = split.ram_blocks if split is not None else None
+        own_load = engine.read_block is not None
         compress, why = compress_choice.choose(self.ringswap.compress, device, plan, split,
                                                bool(engine.ram_homes(plan.residency, ram_blocks)
                                                     & set(plan.residency.streamed)),
-                                               own_load=engine.read_block is not None, coding=engine.coding)
-        if compress:
+                                               own_load=own_load, coding=engine.coding)
+        may_code = compress_choice.may_code(self.ringswap.compress, device, own_load)
+        if compress or may_code:
             engine.coder_factory = compress_choice.coder_factory
         engine.attach(device, plan.residency, self.ringswap.pin_memory,
                       owner=weakref.ref(self), on_land=self.lora_folder(device), ram_blocks=ram_blocks,
-                      progress=live_feed.progress_bar(), compress=compress)
+                      progress=live_feed.progress_bar(), compress=compress, may_code=may_code)
         if compress and split is not None and split.file_blocks:   # coded homes left room for more
             split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
             if len(split.ram_blocks) > len(ram_blocks):

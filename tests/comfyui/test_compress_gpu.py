@@ -69,6 +69,44 @@ def test_compress_widens_home_autos_ram_split_on_the_first_load(wan512_stock, wa
     comfy.model_management.unload_all_models()
 
 
+def test_home_auto_keeps_resident_blocks_coded_where_they_do_not_fit_raw(wan512_stock, wan512_file, caplog):
+    """home=auto, compress auto (the streamed homes stay raw on a first load), a RAM budget one byte
+    short of every block raw: unloaded, the model keeps its resident blocks coded from the GPU (an
+    expert switch), and the next load places them by decoding without reading the file; exact.
+    With compress=off the same budget keeps all but the last raw."""
+    xi = inputs(seed=5, frames=3, size=16)
+    ref = forward(wan512_stock, *xi)
+    comfy.model_management.unload_all_models()
+    budget = (block_bytes(wan512_file) - 1) / 1e9
+    for mode in ("auto", "off"):
+        model = load_swapped_model(wan512_file, SwapSettings(3, 1, ram_budget_gb=budget, compress=mode), home="auto")
+        assert torch.equal(forward(model, *xi), ref)
+        engine = model.swap_engine
+        resident = engine.plan.resident
+        assert resident and not engine.pool.coded
+        with caplog.at_level("INFO", logger="ringswap.home"):
+            comfy.model_management.unload_all_models()
+        if mode == "off":
+            assert not engine.pool.coded and set(engine.pool.blocks) >= set(resident[:-1])
+            break
+        assert set(engine.pool.coded) == set(resident), caplog.text
+        assert "resident blocks coded in RAM" in caplog.text
+        assert torch.equal(forward(model, *xi), ref)
+        assert engine.read_back == (0, 0.0) and not set(engine.pool.coded) & set(resident)
+        comfy.model_management.unload_all_models()
+        del model, engine
+        gc.collect()
+
+
+def block_bytes(path: str) -> int:
+    """The bytes of all blocks of `path` as a home=auto load holds them."""
+    model = load_swapped_model(path, SwapSettings(2, 1, compress="off"), home="auto")
+    nbytes = model.swap_engine.total_block_bytes()
+    del model
+    gc.collect()
+    return nbytes
+
+
 def test_an_interrupted_run_then_the_next_is_exact(wan512_stock, wan512_file):
     """ComfyUI's interrupt raised inside a streamed block while coded blocks are in flight: the
     next run (and the one after) gives the stock output."""

@@ -250,6 +250,11 @@ def test_compress_on_without_cuda_or_nvcomp_is_a_clear_error_and_auto_is_off(ref
         assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
     assert caplog.text.count("RingSwap compress auto: off") == 1
     assert not model.swap_engine.pool.coded
+    # nor are resident blocks kept coded at an unload there (nor anywhere with compress=off)
+    here = model.swap_engine.att.device if model.swap_engine.att is not None else torch.device("cpu")
+    assert not compress_choice.may_code("auto", here, own_load=False)
+    assert not compress_choice.may_code("off", here, own_load=True)
+    assert compress_choice.may_code("on", here, True) is (compress_choice.cannot_code(here, True) is None)
 
 
 @pytest.mark.parametrize("mode, bound, ram_short, ram_homes, estimate, code, why", [

@@ -271,3 +271,47 @@ def test_fp16_blocks_cast_from_bf16_are_coded_narrowed_and_exact():
     for _ in range(2):
         assert torch.equal(run(blocks, x), ref)
     engine.detach()
+
+
+def test_home_auto_codes_the_kept_resident_blocks_only_where_ram_is_short():
+    """home=auto attached raw but allowed to code (`may_code`: compress auto with a coder), taken off
+    the device: with room for its resident blocks raw they are kept raw; with one byte less they are
+    kept coded, and the next attach places them by decoding, reading nothing from the file; exact.
+    Without `may_code` the short room keeps what fits raw; a coder that is not bit-exact keeps none coded."""
+    blocks = bf16_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    engine.coder_factory = ZlibPlanes
+    plan = ResidencyPlan.make(N, 4, 1)
+    raw = sum(engine.states[i].layout.nbytes for i in plan.resident)
+    engine.attach("cpu", plan, may_code=True)
+    assert torch.equal(run(blocks, X), ref) and not engine.pool.coded
+    engine.detach(capture_bytes=raw)
+    assert set(plan.resident) <= set(engine.pool.blocks) and not engine.pool.coded
+    engine.attach("cpu", plan, may_code=True)
+    engine.detach(capture_bytes=raw - 1)
+    assert set(engine.pool.coded) == set(plan.resident) and engine.coding.checked
+    reads = src.reads
+    engine.attach("cpu", plan, may_code=True)
+    assert src.reads == reads and torch.equal(run(blocks, X), ref)
+    assert not engine.pool.coded   # placed: home=auto keeps no home for a resident block
+    engine.detach()
+    engine.attach("cpu", plan)
+    engine.detach(capture_bytes=raw - 1)
+    kept = set(engine.pool.blocks) - set(plan.streamed)
+    assert not engine.pool.coded and kept == set(plan.resident[:-1])
+
+    class Flips(ZlibPlanes):
+        def decode(self, coded, out):
+            super().decode(coded, out)
+            out[0] ^= 1
+    fb = bf16_blocks()
+    flipping = BlockSwapEngine(list(fb), read_block=FileLike(fb).read, home="auto", disk_workers=2)
+    flipping.coder_factory = Flips
+    flipping.attach("cpu", plan, may_code=True)
+    flipping.detach(capture_bytes=raw - 1)
+    assert not flipping.pool.coded
+    flipping.attach("cpu", plan, may_code=True)
+    assert torch.equal(run(fb, X), ref)
+    flipping.detach()
