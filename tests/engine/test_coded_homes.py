@@ -145,15 +145,21 @@ def test_a_coder_that_is_not_bit_exact_is_refused_at_coding():
     assert torch.equal(run(blocks, X), run(bf16_blocks(), X))   # the homes are whole
 
 
+def auto_engine(coder=ZlibPlanes):
+    """bf16 toy blocks, their reference output, their file and a home=auto engine on it with `coder`."""
+    blocks = bf16_blocks()
+    ref = run(blocks, X)   # before the engine: with a reader it drops the modules' weights
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    engine.coder_factory = coder
+    return blocks, ref, src, engine
+
+
 def test_home_auto_keeps_an_outgoing_models_resident_blocks_coded():
     """home=auto with compress, taken off the device with room to keep its resident blocks (an
     expert switch): they are coded straight from the device into coded homes, and the next attach
     places them by decoding, without reading the file; exact."""
-    blocks = bf16_blocks()
-    ref = run(blocks, X)
-    src = FileLike(blocks)
-    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
-    engine.coder_factory = ZlibPlanes
+    blocks, ref, src, engine = auto_engine()
     plan = ResidencyPlan.make(N, 4, 1)
     engine.attach("cpu", plan, compress=True)
     assert torch.equal(run(blocks, X), ref)
@@ -278,11 +284,7 @@ def test_home_auto_codes_the_kept_resident_blocks_only_where_ram_is_short():
     the device: with room for its resident blocks raw they are kept raw; with one byte less they are
     kept coded, and the next attach places them by decoding, reading nothing from the file; exact.
     Without `may_code` the short room keeps what fits raw; a coder that is not bit-exact keeps none coded."""
-    blocks = bf16_blocks()
-    ref = run(blocks, X)
-    src = FileLike(blocks)
-    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
-    engine.coder_factory = ZlibPlanes
+    blocks, ref, src, engine = auto_engine()
     plan = ResidencyPlan.make(N, 4, 1)
     raw = sum(engine.states[i].layout.nbytes for i in plan.resident)
     engine.attach("cpu", plan, may_code=True)
@@ -306,9 +308,7 @@ def test_home_auto_codes_the_kept_resident_blocks_only_where_ram_is_short():
         def decode(self, coded, out):
             super().decode(coded, out)
             out[0] ^= 1
-    fb = bf16_blocks()
-    flipping = BlockSwapEngine(list(fb), read_block=FileLike(fb).read, home="auto", disk_workers=2)
-    flipping.coder_factory = Flips
+    fb, _, _, flipping = auto_engine(Flips)
     flipping.attach("cpu", plan, may_code=True)
     flipping.detach(capture_bytes=raw - 1)
     assert not flipping.pool.coded
