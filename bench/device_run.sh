@@ -39,6 +39,7 @@
 # compress-12h (issue "fewer bytes, same bits": RingSwap Loader on 0.3.75, 12 GiB, halved link, cfg 1 and 5,
 # compress off then on; needs nvCOMP: run(carry=[".whl-lean", ".whl-nvcomp"], command="RINGSWAP_WHEELS_DIR=.whl-lean
 # bash bench/device_run.sh plane-probe compress-12h"); plane-probe (bench/plane_probe.py: ratio and speed per format);
+# compress-auto-12h (cfg 1 with compress=auto: the first prompt raw, the next coded by the measured rates),
 # compress-c1-12h (the cfg 1 half of compress-12h), compress-image-12h (4,096 tokens, the image shape, off then on),
 # compress-hide-24 (24 GiB, full link, cfg 5: copies hide; off, then home=auto with compress=auto: no cost),
 # ref-24 (RingSwap Loader, home=ram, 24 GiB, all RAM) and compress-experts-48 (two bf16 experts, home=auto,
@@ -148,6 +149,8 @@ for p in "$@"; do
     compress-image-12h) compare compress_off_img 150 --tokens 4096 --cfgs 1 --links halved --caps 12 --configs rs-loader-0.3.75
                         compare compress_on_img 170 --tokens 4096 --cfgs 1 --links halved --caps 12 --configs rs-loader-0.3.75 \
                           --compress on ;;
+    compress-auto-12h) compare compress_auto_c1 230 --tokens 7800 --cfgs 1 --links halved --caps 12 --configs rs-loader-0.3.75 \
+                         --compress auto --rerun --rerun-steps 4 ;;
     compress-hide-24) compare compress_off_24 170 --tokens 7800 --cfgs 5 --caps 24 --configs rs-auto-0.3.75
                       compare compress_auto_24 170 --tokens 7800 --cfgs 5 --caps 24 --configs rs-auto-0.3.75 --compress auto ;;
     ref-24) compare ref_24 200 --tokens 7800 --configs rs-loader-0.3.75@24 ;;
@@ -162,7 +165,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
