@@ -37,18 +37,16 @@ def coding_for(coding: "Coding | None", factory, device: torch.device) -> "Codin
     return coding if coding is not None and coding.device == device else Coding(factory(device), device)
 
 
-def keep_coder(coding: "Coding | None", factory, att, states: list, pool: HostPool, room: int) -> "Coding | None":
+def keep_coder(coding: "Coding | None", factory, att) -> "Coding | None":
     """The coding that resident blocks kept in RAM at a detach go through (None: kept raw): a coded
-    load's own; or, where the load may code (`att.may_code`) and those blocks do not fit `room`
-    raw, one for the device: RAM is short, so they are kept coded (an expert switch finds them)."""
+    load's own, or where the load may code (`att.may_code`) one for its device. Coded they take about
+    0.68 x the RAM (bf16), so two experts fit where raw they would not, and cost about the same to
+    keep (a GPU encode, a smaller download) and to place (a smaller upload, a GPU decode)."""
     if coding is not None and coding.pays is False:
         return None
-    if att.compress:
-        return coding if coding is not None and coding.pays else None
-    raw = sum(states[i].layout.nbytes for i in att.plan.resident if not pool.has(i))
-    if not att.may_code or factory is None or raw <= room:
-        return None
-    return coding_for(coding, factory, att.device)
+    if att.compress and coding is not None and coding.pays:
+        return coding
+    return coding_for(coding, factory, att.device) if att.may_code and factory is not None else None
 
 
 class Coding:
@@ -125,11 +123,15 @@ class Coding:
             return True
         return block.coded_bytes / link_bytes_per_s + block.nbytes / self.decode_rate < block.nbytes / link_bytes_per_s
 
-    def keep(self, s, pool: HostPool, room: int, chunks: PinnedChunks | None = None) -> int:
+    def keep(self, s, pool: HostPool, room: int, chunks: PinnedChunks | None = None) -> int | None:
         """A coded home for resident block `s`, coded straight from its device buffer; its bytes
-        (0: it does not fit in `room`). See home.capture_resident."""
+        (0: it does not fit in `room`; None: it does not shrink below PAYS_RATIO, so coding stops
+        paying). See home.capture_resident."""
         block = encode_block(self.coder, s.device_buffer, self.part_bytes,
                              download=chunks.download if chunks is not None else None, **_form(self.coder, s.layout))
+        if block.coded_bytes > PAYS_RATIO * s.layout.nbytes:
+            self.pays = False
+            return None
         if block.coded_bytes > room:
             return 0
         if not self.checked:   # a load that coded nothing before: its first block checked bit for bit

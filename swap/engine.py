@@ -134,7 +134,7 @@ class BlockSwapEngine:
         computes (a LoRA fold); it may return {attr index: tensor} to bind instead, held until
         the slot is refilled. `ram_blocks` (home=auto): the streamed blocks held in RAM.
         `progress(done, total)` follows file reads. The same settings again only take `owner`.
-        `compress`: coded RAM homes; `may_code`: kept resident blocks coded where RAM is short."""
+        `compress`: coded RAM homes; `may_code`: resident blocks kept at detach are coded."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -232,7 +232,7 @@ class BlockSwapEngine:
         try:
             att.copier.synchronize()
             if self.home == "auto" and capture_bytes > 0 and att.on_land is None:
-                coding = keep_coder(self.coding, self.coder_factory, att, self.states, self.pool, capture_bytes)
+                coding = keep_coder(self.coding, self.coder_factory, att)
                 self.coding = self.coding if coding is None else coding
                 home.capture_resident(self.states, self.pool, att.plan.resident, capture_bytes, coding)
         finally:

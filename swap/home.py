@@ -106,30 +106,38 @@ def capture(states: list, pool: HostPool) -> None:
 
 def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int, coding=None) -> None:
     """Give resident blocks without a home one copied from the device, in order, while they fit
-    in `nbytes` (stops where memory runs out): raw homes, or with `coding` (swap/coding.py)
-    coded ones, so an expert switch holds and places them at their coded size."""
-    done, t0 = 0, time.perf_counter()
+    in `nbytes` (stops where memory runs out): with `coding` (swap/coding.py) coded ones, so an
+    expert switch holds and places them at their coded size; raw ones without it, or from where
+    coding stops paying or finds no device memory."""
+    done, coded, t0 = 0, 0, time.perf_counter()
     with PinnedChunks() as chunks:
         for i in resident:
             s = states[i]
             if s.device_buffer is None or pool.has(i):
                 continue
             try:
-                try:
-                    done += coding.keep(s, pool, nbytes - done, chunks) if coding is not None else \
-                        _keep_raw(s, pool, chunks, nbytes - done)
-                except torch.cuda.OutOfMemoryError as e:
-                    if coding is None:
-                        raise
-                    log.info("RingSwap: no device memory to code the kept resident blocks (%s); kept raw", e)
-                    coding = None
-                    done += _keep_raw(s, pool, chunks, nbytes - done)
+                kept = _keep_coded(coding, s, pool, nbytes - done, chunks) if coding is not None else None
+                if kept is None:
+                    coding, kept = None, _keep_raw(s, pool, chunks, nbytes - done)
+                else:
+                    coded += kept
+                done += kept
             except (OSError, RuntimeError) as e:
                 log.info("RingSwap: no more memory to keep resident blocks (%s)", e)
                 break
     if done:
-        log.info("RingSwap: kept %.2f GB of resident blocks%s in RAM for the next load (%.2f s; room %.2f GB)",
-                 done / 1e9, " coded" if coding is not None else "", time.perf_counter() - t0, nbytes / 1e9)
+        log.info("RingSwap: kept %.2f GB of resident blocks in RAM for the next load (%.2f GB of them coded; "
+                 "%.2f s; room %.2f GB)", done / 1e9, coded / 1e9, time.perf_counter() - t0, nbytes / 1e9)
+
+
+def _keep_coded(coding, s, pool: HostPool, room: int, chunks: PinnedChunks) -> int | None:
+    """`coding.keep`; None where the block does not shrink enough to pay or the device has no
+    memory to code it (the caller keeps it, and the rest, raw)."""
+    try:
+        return coding.keep(s, pool, room, chunks)
+    except torch.cuda.OutOfMemoryError as e:
+        log.info("RingSwap: no device memory to code the kept resident blocks (%s); kept raw", e)
+        return None
 
 
 def _keep_raw(s, pool: HostPool, chunks: PinnedChunks, room: int) -> int:

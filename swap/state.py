@@ -66,7 +66,7 @@ class Attachment:
         self.file: FileSource | None = None
         self.coded: CodedSource | None = None
         self.compress = False       # streamed RAM homes are kept coded (swap/coding.py)
-        self.may_code = False       # resident blocks kept in RAM at detach may be coded where short (coding.keep_coder)
+        self.may_code = False       # resident blocks kept in RAM at detach are coded (coding.keep_coder)
         self.hooks: BlockHooks | None = None
         self.order = CallOrder(plan.streamed, learned)
         self.stats = self.new_stats()

@@ -68,8 +68,9 @@ def may_code(mode: str, device: torch.device, own_load: bool) -> bool:
 
 
 def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | None, ram_homes: bool,
-           own_load: bool, coding=None) -> tuple[bool, str]:
+           own_load: bool, coding=None, whole_short: bool = False) -> tuple[bool, str]:
     """(code the streamed RAM homes?, why). `ram_homes`: some streamed block has a RAM home;
+    `whole_short`: the RAM cannot hold all the model's blocks raw (ram_room.short_of_whole);
     `own_load`: the blocks are RingSwap's own (read from the file), not a shared MODEL's, which a
     coded home would leave without weights; `coding`: the engine's swap.coding.Coding, whose measured
     ratio and decode rate replace the guesses. on: a clear error where nothing can code; auto: off
@@ -89,7 +90,7 @@ def choose(mode: str, device: torch.device, plan: WindowPlan, split: RamSplit | 
         ratio = coding.ratio if coding is not None and coding.encoded[0] else RATIO_GUESS
         rate = BESIDE_COMPUTE * coding.decode_rate if coding is not None and coding.decode_rate else DECODE_GUESS
         estimate = (plan.call_s, coded_call_s(plan, ratio, rate))
-    return decide(mode, plan.bound, bool(split is not None and split.file_blocks), ram_homes, estimate)
+    return decide(mode, plan.bound, bool(split is not None and split.file_blocks) or whole_short, ram_homes, estimate)
 
 
 def coded_call_s(plan: WindowPlan, ratio: float, decode_bytes_per_s: float) -> float:
@@ -105,7 +106,8 @@ def coded_call_s(plan: WindowPlan, ratio: float, decode_bytes_per_s: float) -> f
 def decide(mode: str, bound: str, ram_short: bool, ram_homes: bool,
            estimate: tuple[float, float] | None = None) -> tuple[bool, str]:
     """The decision where coding is possible: (code?, why). `bound`: the plan's verdict
-    (swap.planner.WindowPlan.bound); `ram_short`: home=auto reads some streamed blocks from the file;
+    (swap.planner.WindowPlan.bound); `ram_short`: home=auto reads some streamed blocks from the file, or
+    cannot hold all the model's blocks raw;
     `estimate`: (seconds of a call, the same coded) where the plan is timed and copy-bound."""
     if not ram_homes:
         return False, "compress: nothing streams from RAM"

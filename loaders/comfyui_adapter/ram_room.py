@@ -43,6 +43,12 @@ def capture_room(engine, ram_budget_gb: float) -> int:
     return max(0, nbytes - engine.pool.nbytes)
 
 
+def short_of_whole(engine, ram_budget_gb: float) -> bool:
+    """home=auto: whether the room is less than all the model's blocks raw (its homes and, once taken
+    off the GPU, its kept resident blocks): RAM is short, so compress=auto codes its homes."""
+    return engine.home == "auto" and room(engine, ram_budget_gb)[0] < engine.total_block_bytes()
+
+
 def split_for(engine, plan: ResidencyPlan, ram_budget_gb: float) -> RamSplit | None:
     """The RAM split of `plan` for an engine with home=auto (None for other homes)."""
     if engine.home != "auto":

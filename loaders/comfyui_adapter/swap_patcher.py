@@ -160,7 +160,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         compress, why = compress_choice.choose(self.ringswap.compress, device, plan, split,
                                                bool(engine.ram_homes(plan.residency, ram_blocks)
                                                     & set(plan.residency.streamed)),
-                                               own_load=own_load, coding=engine.coding)
+                                               own_load=own_load, coding=engine.coding,
+                                               whole_short=ram_room.short_of_whole(engine, self.ringswap.ram_budget_gb))
         may_code = compress_choice.may_code(self.ringswap.compress, device, own_load)
         if compress or may_code:
             engine.coder_factory = compress_choice.coder_factory

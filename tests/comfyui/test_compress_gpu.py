@@ -69,31 +69,34 @@ def test_compress_widens_home_autos_ram_split_on_the_first_load(wan512_stock, wa
     comfy.model_management.unload_all_models()
 
 
-def test_home_auto_keeps_resident_blocks_coded_where_they_do_not_fit_raw(wan512_stock, wan512_file, caplog):
-    """home=auto, compress auto (the streamed homes stay raw on a first load), a RAM budget one byte
-    short of every block raw: unloaded, the model keeps its resident blocks coded from the GPU (an
-    expert switch), and the next load places them by decoding without reading the file; exact.
-    With compress=off the same budget keeps all but the last raw."""
+def test_home_auto_keeps_resident_blocks_coded_and_codes_homes_where_ram_is_short(wan512_stock, wan512_file, caplog):
+    """home=auto, compress auto. With RAM for all the blocks raw, a first load keeps its streamed homes
+    raw (the rates are not measured yet); unloaded, the model keeps its resident blocks coded from the
+    GPU (an expert switch), and the next load places them by decoding without reading the file. With a
+    RAM budget one byte short of all the blocks raw, RAM is short: the streamed homes are coded too.
+    Exact throughout. compress=off keeps the resident blocks raw."""
     xi = inputs(seed=5, frames=3, size=16)
     ref = forward(wan512_stock, *xi)
     comfy.model_management.unload_all_models()
-    budget = (block_bytes(wan512_file) - 1) / 1e9
-    for mode in ("auto", "off"):
+    total = block_bytes(wan512_file)
+    for mode, budget in (("auto", 0.0), ("auto", (total - 1) / 1e9), ("off", 0.0)):
+        caplog.clear()
         model = load_swapped_model(wan512_file, SwapSettings(3, 1, ram_budget_gb=budget, compress=mode), home="auto")
-        assert torch.equal(forward(model, *xi), ref)
+        with caplog.at_level("INFO", logger="ringswap.patcher"):
+            assert torch.equal(forward(model, *xi), ref)
         engine = model.swap_engine
-        resident = engine.plan.resident
-        assert resident and not engine.pool.coded
+        resident, streamed = engine.plan.resident, engine.plan.streamed
+        assert resident and (set(streamed) <= set(engine.pool.coded)) is (budget > 0), (mode, budget)
+        assert ("compress auto: RAM is short" in caplog.text) is (budget > 0), caplog.text
         with caplog.at_level("INFO", logger="ringswap.home"):
             comfy.model_management.unload_all_models()
         if mode == "off":
-            assert not engine.pool.coded and set(engine.pool.blocks) >= set(resident[:-1])
-            break
-        assert set(engine.pool.coded) == set(resident), caplog.text
-        assert "resident blocks coded in RAM" in caplog.text
-        assert torch.equal(forward(model, *xi), ref)
-        assert engine.read_back == (0, 0.0) and not set(engine.pool.coded) & set(resident)
-        comfy.model_management.unload_all_models()
+            assert not set(engine.pool.coded) & set(resident) and set(resident) <= set(engine.pool.blocks)
+        else:
+            assert set(resident) <= set(engine.pool.coded), caplog.text
+            assert torch.equal(forward(model, *xi), ref)
+            assert engine.read_back == (0, 0.0) and not set(engine.pool.coded) & set(resident)
+            comfy.model_management.unload_all_models()
         del model, engine
         gc.collect()
 

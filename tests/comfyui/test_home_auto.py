@@ -99,3 +99,15 @@ def test_automatic_room_is_available_ram_less_margin_and_comfys_keep(wan):
     import comfy.cli_args
     if isinstance(comfy.cli_args.args.cache_ram, list) and not comfy.cli_args.args.cache_classic:
         assert kept >= 2 * 2**30, "0.33's RAM cache keeps at least 2 GB headroom by default"
+
+
+def test_ram_is_short_where_the_room_cannot_hold_every_block_raw(wan):
+    """compress=auto codes a home=auto model's homes where its room cannot hold all its blocks raw
+    (its homes and its kept resident blocks); a room of exactly that is enough; other homes never."""
+    from ringswap.loaders.comfyui_adapter.ram_room import short_of_whole
+    path, _ = wan
+    engine = load_swapped_model(path, SwapSettings(3, 1), home="auto").swap_engine
+    total = engine.total_block_bytes()
+    assert short_of_whole(engine, (total - 1) / 1e9) and not short_of_whole(engine, (total + 1) / 1e9)
+    ram = load_swapped_model(path, SwapSettings(3, 1), home="ram").swap_engine
+    assert not short_of_whole(ram, (total - 1) / 1e9)

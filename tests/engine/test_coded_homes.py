@@ -279,30 +279,36 @@ def test_fp16_blocks_cast_from_bf16_are_coded_narrowed_and_exact():
     engine.detach()
 
 
-def test_home_auto_codes_the_kept_resident_blocks_only_where_ram_is_short():
+def test_home_auto_allowed_to_code_keeps_its_resident_blocks_coded():
     """home=auto attached raw but allowed to code (`may_code`: compress auto with a coder), taken off
-    the device: with room for its resident blocks raw they are kept raw; with one byte less they are
-    kept coded, and the next attach places them by decoding, reading nothing from the file; exact.
-    Without `may_code` the short room keeps what fits raw; a coder that is not bit-exact keeps none coded."""
+    the device: its resident blocks are kept coded (as many as fit the room), and the next attach
+    places them by decoding, reading only the others from the file; exact. Without `may_code` they
+    are kept raw; with a coder that does not shrink them (coding stops paying) raw; with one that is
+    not bit-exact none is kept coded."""
     blocks, ref, src, engine = auto_engine()
     plan = ResidencyPlan.make(N, 4, 1)
     raw = sum(engine.states[i].layout.nbytes for i in plan.resident)
     engine.attach("cpu", plan, may_code=True)
     assert torch.equal(run(blocks, X), ref) and not engine.pool.coded
     engine.detach(capture_bytes=raw)
-    assert set(plan.resident) <= set(engine.pool.blocks) and not engine.pool.coded
-    engine.attach("cpu", plan, may_code=True)
-    engine.detach(capture_bytes=raw - 1)
     assert set(engine.pool.coded) == set(plan.resident) and engine.coding.checked
+    assert not set(engine.pool.blocks) & set(plan.resident)
+    coded = sum(engine.pool.coded[i].coded_bytes for i in plan.resident)
     reads = src.reads
     engine.attach("cpu", plan, may_code=True)
     assert src.reads == reads and torch.equal(run(blocks, X), ref)
     assert not engine.pool.coded   # placed: home=auto keeps no home for a resident block
-    engine.detach()
+    engine.detach(capture_bytes=coded - 1)   # room for all but the last
+    assert set(engine.pool.coded) == set(plan.resident[:-1])
     engine.attach("cpu", plan)
-    engine.detach(capture_bytes=raw - 1)
-    kept = set(engine.pool.blocks) - set(plan.streamed)
-    assert not engine.pool.coded and kept == set(plan.resident[:-1])
+    assert src.reads == reads + 1 and torch.equal(run(blocks, X), ref)
+    engine.detach(capture_bytes=raw)
+    assert not engine.pool.coded and set(plan.resident) <= set(engine.pool.blocks)
+
+    _, _, _, stored = auto_engine(StoredPlanes)
+    stored.attach("cpu", plan, may_code=True)
+    stored.detach(capture_bytes=raw)
+    assert not stored.pool.coded and set(plan.resident) <= set(stored.pool.blocks) and stored.coding.pays is False
 
     class Flips(ZlibPlanes):
         def decode(self, coded, out):
@@ -310,7 +316,7 @@ def test_home_auto_codes_the_kept_resident_blocks_only_where_ram_is_short():
             out[0] ^= 1
     fb, _, _, flipping = auto_engine(Flips)
     flipping.attach("cpu", plan, may_code=True)
-    flipping.detach(capture_bytes=raw - 1)
+    flipping.detach(capture_bytes=raw)
     assert not flipping.pool.coded
     flipping.attach("cpu", plan, may_code=True)
     assert torch.equal(run(fb, X), ref)
