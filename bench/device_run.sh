@@ -127,7 +127,7 @@ for p in "$@"; do
     ram-32) compare ram_ref 200 --tokens 7800 --configs rs-loader-0.3.75 --caps 24 12
             compare ram_32 200 --tokens 7800 --configs rs-auto-0.3.75 --caps 24 12 --rams 32 ;;
     experts-64) compare experts_64 560 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
-    experts-fp8-32) compare experts_fp8_32 240 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
+    experts-fp8-32) compare experts_fp8_32 280 --formats scaled_fp8 --tokens 7800 --configs rs-auto-0.3.75@24 \
                       --rams 32 --experts 2 ;;
     ram-file) compare ram_file 240 --tokens 7800 --configs rs-auto-0.3.75@12 --rams 20 --workers 4 ;;
     experts-64-cfg5) compare experts_64_cfg5 560 --tokens 7800 --cfgs 5 --configs rs-auto-0.3.75@24 --rams 64 --experts 2 ;;
