@@ -123,7 +123,7 @@ def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nb
                     coded += kept
                 done += kept
             except (OSError, RuntimeError) as e:
-                log.info("RingSwap: no more memory to keep resident blocks (%s)", e)
+                log.info("RingSwap: stopped keeping resident blocks in RAM (%s)", e)
                 break
     if done:
         log.info("RingSwap: kept %.2f GB of resident blocks in RAM for the next load (%.2f GB of them coded; "
