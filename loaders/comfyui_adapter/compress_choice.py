@@ -62,8 +62,8 @@ def cannot_code(device: torch.device, own_load: bool) -> str | None:
 
 
 def may_code(mode: str, device: torch.device, own_load: bool) -> bool:
-    """Whether resident blocks kept in RAM at an unload may be coded where they do not fit raw
-    (auto or on, and a coder here): an expert switch then finds them in RAM."""
+    """Whether a load may code at all (auto or on, and a coder here): its resident blocks kept in RAM
+    at an unload are then coded, so an expert switch finds them in RAM. Any load `choose` codes may."""
     return mode != "off" and cannot_code(device, own_load) is None
 
 

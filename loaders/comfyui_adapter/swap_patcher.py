@@ -163,7 +163,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
                                                own_load=own_load, coding=engine.coding,
                                                whole_short=ram_room.short_of_whole(engine, self.ringswap.ram_budget_gb))
         may_code = compress_choice.may_code(self.ringswap.compress, device, own_load)
-        if compress or may_code:
+        if may_code:
             engine.coder_factory = compress_choice.coder_factory
         engine.attach(device, plan.residency, self.ringswap.pin_memory,
                       owner=weakref.ref(self), on_land=self.lora_folder(device), ram_blocks=ram_blocks,
