@@ -17,8 +17,7 @@ import time
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Ballast  # noqa: E402
+from common import Ballast   # bench/ is on sys.path: as the script's folder or by the importer
 
 GB = 1e9
 
