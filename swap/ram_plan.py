@@ -22,6 +22,7 @@ class RamSplit:
     room_bytes: int                  # RAM counted on for block homes
     room_why: str                    # where room_bytes comes from
     staging_bytes: int = 0           # read-ahead buffers the file's blocks need
+    device_sizes: tuple[int, ...] = ()   # each block's bytes on the device, where they differ from its home's (coded)
 
     @property
     def file_blocks(self) -> tuple[int, ...]:
@@ -32,7 +33,8 @@ class RamSplit:
 
     def line(self) -> str:
         p = self.plan
-        parts = [f"{len(p.resident)} blocks ({self.bytes_of(p.resident) / GB:.1f} GB) on the GPU",
+        on_device = sum((self.device_sizes or self.block_sizes)[i] for i in p.resident)
+        parts = [f"{len(p.resident)} blocks ({on_device / GB:.1f} GB) on the GPU",
                  f"{len(self.ram_blocks)} ({self.bytes_of(self.ram_blocks) / GB:.1f} GB) in RAM"]
         if self.file_blocks:
             parts.append(f"{len(self.file_blocks)} ({self.bytes_of(self.file_blocks) / GB:.1f} GB) read from "
@@ -41,13 +43,14 @@ class RamSplit:
 
 
 def split_ram(plan: ResidencyPlan, block_sizes: tuple[int, ...], room_bytes: int, room_why: str,
-              staging_blocks: int) -> RamSplit:
+              staging_blocks: int, device_sizes: tuple[int, ...] = ()) -> RamSplit:
     """Give as many streamed blocks RAM homes as `room_bytes` holds; the file's blocks also
-    need `staging_blocks` read-ahead buffers of the largest block, counted against the room."""
+    need `staging_blocks` read-ahead buffers of the largest block, counted against the room.
+    `block_sizes`: bytes in RAM; `device_sizes`: on the device, where they differ (for the line)."""
     streamed = list(plan.streamed)
     need = sum(block_sizes[i] for i in streamed)
     if need <= room_bytes:
-        return RamSplit(plan, block_sizes, frozenset(streamed), room_bytes, room_why)
+        return RamSplit(plan, block_sizes, frozenset(streamed), room_bytes, room_why, device_sizes=device_sizes)
     staging = staging_blocks * max((block_sizes[i] for i in streamed), default=0)
     left, fit = room_bytes - staging, 0
     for size in sorted(block_sizes[i] for i in streamed):
@@ -58,7 +61,7 @@ def split_ram(plan: ResidencyPlan, block_sizes: tuple[int, ...], room_bytes: int
     ram = _spread(streamed, fit)
     while ram and sum(block_sizes[i] for i in ram) > room_bytes - staging:   # unequal blocks
         ram.remove(max(ram, key=lambda i: block_sizes[i]))
-    return RamSplit(plan, block_sizes, frozenset(ram), room_bytes, room_why, staging)
+    return RamSplit(plan, block_sizes, frozenset(ram), room_bytes, room_why, staging, device_sizes)
 
 
 def _spread(streamed: list[int], count: int) -> list[int]:

@@ -54,7 +54,8 @@ def split_for(engine, plan: ResidencyPlan, ram_budget_gb: float) -> RamSplit | N
     if engine.home != "auto":
         return None
     nbytes, why = room(engine, ram_budget_gb)
-    return split_ram(plan, home_sizes(engine), nbytes, why, engine.read_buffers)
+    return split_ram(plan, home_sizes(engine), nbytes, why, engine.read_buffers,
+                     tuple(s.layout.nbytes for s in engine.states))
 
 
 def home_sizes(engine) -> tuple[int, ...]:

@@ -156,13 +156,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         run.plan = plan
         split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
         ram_blocks = split.ram_blocks if split is not None else None
-        own_load = engine.read_block is not None
-        compress, why = compress_choice.choose(self.ringswap.compress, device, plan, split,
-                                               bool(engine.ram_homes(plan.residency, ram_blocks)
-                                                    & set(plan.residency.streamed)),
-                                               own_load=own_load, coding=engine.coding,
-                                               whole_short=ram_room.short_of_whole(engine, self.ringswap.ram_budget_gb))
-        may_code = compress_choice.may_code(self.ringswap.compress, device, own_load)
+        compress, why = self._compress_for(plan, device, split)
+        may_code = compress_choice.may_code(self.ringswap.compress, device, engine.read_block is not None)
         if may_code:
             engine.coder_factory = compress_choice.coder_factory
         engine.attach(device, plan.residency, self.ringswap.pin_memory,
@@ -193,6 +188,29 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
                  if dense else "", time.perf_counter() - t0,
                  f" (read {read / 1e9:.2f} GB from the file in {read_s:.2f} s)" if read else "",
                  " (switched from another block-swapped model)" if switched else "")
+
+    def _compress_for(self, plan, device: torch.device, split) -> tuple[bool, str]:
+        """compress_choice.choose for `plan` on `device` with RAM split `split`: (code the streamed
+        RAM homes?, why)."""
+        engine = self.swap_engine
+        ram_blocks = split.ram_blocks if split is not None else None
+        return compress_choice.choose(self.ringswap.compress, device, plan, split,
+                                      bool(engine.ram_homes(plan.residency, ram_blocks) & set(plan.residency.streamed)),
+                                      own_load=engine.read_block is not None, coding=engine.coding,
+                                      whole_short=ram_room.short_of_whole(engine, self.ringswap.ram_budget_gb))
+
+    def _codes_now(self, plan, device: torch.device) -> bool:
+        """compress=auto on attached raw homes: whether `plan`, timed by the last run, now codes them
+        (copy-bound enough); the blocks are then placed again through `load`, which codes."""
+        engine = self.swap_engine
+        if self.ringswap.compress != "auto" or engine.att.compress or \
+                (engine.coding is not None and engine.coding.pays is False):
+            return False
+        code, why = self._compress_for(plan, device, ram_room.split_for(engine, plan.residency,
+                                                                         self.ringswap.ram_budget_gb))
+        if code:
+            log.info("RingSwap %s: placing the blocks again to code their homes", why)
+        return code
 
     def _device(self, device_to) -> torch.device:
         device = torch.device(device_to) if device_to is not None else self.load_device
@@ -322,7 +340,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         except NotEnoughVRAM:   # load() plans again and fails with the message
             return None
         kept = keep_attached(fresh, att.plan, run_plan.ran_here(self, device, att.plan, fresh.inputs.conds_per_call))
-        return (kept, fresh) if kept is not None else None
+        if kept is None or self._codes_now(fresh, device):
+            return None
+        return kept, fresh
 
     def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
         freed = self._release_engine()

@@ -1,6 +1,6 @@
 """compress on CUDA with nvCOMP (RingSwap Model Loader): coded homes bit-exact at every window and
 prefetch, homes ram and auto; an interrupted run and the next one; the RAM a coded home takes;
-home=auto's RAM split widened by coding. (LoRA folded after the decode: test_lora_gpu.py.)"""
+home=auto's RAM split widened by coding; auto coding on the next prompt of a copy-bound run. (LoRA folded after the decode: test_lora_gpu.py.)"""
 import gc
 
 import psutil
@@ -12,7 +12,8 @@ import comfy.model_management
 from ringswap.loaders.comfyui_adapter import compress_choice, ram_room
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
-from wan_model import forward, inputs, tiny_wan
+import nodes as comfy_nodes
+from wan_model import conditioning, forward, inputs, latent, tiny_wan
 
 pytestmark = pytest.mark.gpu
 
@@ -99,6 +100,35 @@ def test_home_auto_keeps_resident_blocks_coded_and_codes_homes_where_ram_is_shor
             comfy.model_management.unload_all_models()
         del model, engine
         gc.collect()
+
+
+def test_auto_codes_the_homes_on_the_next_prompt_once_the_last_run_was_copy_bound(wan512_stock, wan512_file, caplog):
+    """compress=auto, home=ram: the first prompt runs raw (nothing measured yet); when its measured
+    rates make the next prompt's plan copy-bound (a slow link, set here), that prompt places the blocks
+    again with the streamed homes coded instead of keeping them raw; the prompt after keeps them.
+    Exact throughout."""
+    def ksample(model):
+        (out,) = comfy_nodes.KSampler().sample(model, 7, 2, 1.0, "euler", "simple", conditioning(1),
+                                               conditioning(2), latent(frames=3, size=16))
+        return out["samples"].clone()
+    ref = ksample(wan512_stock)
+    comfy.model_management.unload_all_models()
+    model = load_swapped_model(wan512_file, SwapSettings(3, 1, compress="auto"), home="ram")
+    assert torch.equal(ksample(model), ref)
+    engine = model.swap_engine
+    att = engine.att
+    assert not engine.pool.coded and not att.compress
+    engine.link_bytes_per_s = 1e8   # ~80 ms a block's copy against a few ms of compute: copy-bound
+    with caplog.at_level("INFO", logger="ringswap.patcher"):
+        assert torch.equal(ksample(model), ref)
+    assert engine.att is not att and engine.att.compress, caplog.text
+    assert set(engine.plan.streamed) <= set(engine.pool.coded)
+    assert "placing the blocks again to code their homes" in caplog.text and "blocks coded to 0." in caplog.text
+    att = engine.att
+    engine.link_bytes_per_s = 1e8
+    assert torch.equal(ksample(model), ref)
+    assert engine.att is att
+    comfy.model_management.unload_all_models()
 
 
 def block_bytes(path: str) -> int:

@@ -41,3 +41,11 @@ def test_unequal_blocks_never_exceed_the_room():
     for room in range(0, 4000, 37):
         split = split_ram(plan, sizes, room, "test", 1)
         assert split.bytes_of(split.ram_blocks) <= max(0, room - split.staging_bytes) or not split.file_blocks, room
+
+
+def test_the_line_gives_resident_blocks_at_their_device_bytes_and_homes_at_their_ram_bytes():
+    """Coded homes are smaller in RAM than on the device: the line's GPU part counts device bytes."""
+    plan = ResidencyPlan.make(8, 3, 1)
+    split = split_ram(plan, (50,) * 8, 10 ** 9, "test", 1, device_sizes=(10 ** 9,) * 8)
+    n, s = len(plan.resident), len(plan.streamed)
+    assert n and s and split.line().startswith(f"home auto: {n} blocks ({n}.0 GB) on the GPU, {s} (0.0 GB) in RAM")
