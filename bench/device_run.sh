@@ -12,6 +12,7 @@
 # stream-bf16 (stream.py, bf16, ~5 min). A call may run 10 minutes: pick parts that fit
 # (two suites at most). The -033 parts need .comfyui-0.33-device in carry. fold, kernels
 # stream-fp8 (stream.py, scaled fp8 only, 32,760 tokens, ~3.5 min) and stream-* run on the ComfyUI that RINGSWAP_COMFY names (default 0.3.75).
+# fold-gguf (fold.py on Q4_K and Q8_0 Wan-14B blocks, 7,800 tokens, with the kernel table; needs .comfyui-gguf).
 # compare-* (bench/compare.py, each cell in its own process on its own ComfyUI; need
 # .comfyui-0.33-device in carry): compare-base (floor + ComfyUI resident, bf16, ~5 min),
 # compare-24-peers / compare-24-rs / compare-12-peers / compare-12-rs (ComfyUI, diffusers /
@@ -91,6 +92,7 @@ for p in "$@"; do
                         --cap-timeout-s 150 --json "$OUT/auto_fp8_033dyn.json" ;;
     auto) part auto 420 0.3.75 0 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16.json" ;;
     fold) part fold 150 "$bench_comfy" "" python3 bench/fold.py ;;
+    fold-gguf) part fold_gguf 200 0.3.75 0 python3 bench/fold.py --formats gguf_q4_k gguf_q8_0 --tokens 7800 --profile ;;
     kernels) part kernels 120 "$bench_comfy" "" python3 bench/fold_kernels.py ;;
     stream-quant) part stream_quant 330 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 nvfp4 \
                     --odirect-gb 0 --budget-s 300 --json "$OUT/stream_quant.json" ;;
@@ -165,7 +167,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do

@@ -1,4 +1,4 @@
-"""LoRA fold cost per Wan-14B block on the GPU ring, for bf16, fp8 and nvfp4 bases.
+"""LoRA fold cost per Wan-14B block on the GPU ring, for bf16, fp8, nvfp4 and GGUF (gguf_q8_0, gguf_q4_k) bases.
 
 Writes a short Wan-14B-width file (a few blocks, dim 5120, ffn 13824) per base format with
 bench/model_file.py's writer, loads it with RingSwap (window 1: every block streams, so every
@@ -6,7 +6,8 @@ block is folded at every step), applies a random rank-64 LoRA on all ten block l
 through ComfyUI's own LoRA loading, and runs steps at `--tokens` (default 32,760: 480p 81
 frames). Reports the fold's device time per block (the engine's timed on-land work)
 against the block's compute time without LoRA. Target (issue 4): <= 3% at 480p.
-Usage: python bench/fold.py [--formats bf16 quant_metadata nvfp4] [--blocks 3]
+GGUF files are written by bench/gguf_model.py and need ComfyUI-GGUF (carry .comfyui-gguf).
+Usage: python bench/fold.py [--formats bf16 quant_metadata nvfp4 gguf_q4_k] [--blocks 3] [--profile]
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402  (sets up ComfyUI on sys.path)
+import gguf_model  # noqa: E402
 import model_file  # noqa: E402
 
 if not torch.cuda.is_available():   # CPU smoke test: tell ComfyUI before it looks for CUDA
@@ -107,9 +109,13 @@ def main() -> None:
     lora = rank_lora(a.blocks, a.dim, a.ffn, a.rank)
     rows = []
     for fmt in a.formats:
-        path = os.path.join(a.dir, f"fold_{fmt}.safetensors")
-        model_file.write_model(path, fmt, SimpleNamespace(layers=a.blocks, dim=a.dim, ffn=a.ffn, seed=0), dev, qf,
-                      template, 0)
+        if gguf_model.is_gguf_format(fmt):   # RingSwap Model Loader reads it through ComfyUI-GGUF's loader
+            gguf_model.load_pack()
+            path = gguf_model.wan14b_gguf(a.dir, fmt, False, shape=(a.blocks, a.dim, a.ffn))
+        else:
+            path = os.path.join(a.dir, f"fold_{fmt}.safetensors")
+            model_file.write_model(path, fmt, SimpleNamespace(layers=a.blocks, dim=a.dim, ffn=a.ffn, seed=0), dev,
+                                   qf, template, 0)
         base = load_swapped_model(path, SwapSettings(1, 1, "auto"), home="ram", disk_workers=4)
         dtype = common.compute_dtype(base, dev)
         inputs = common.make_inputs(a.tokens, dev, dtype, 512, 0)

@@ -42,12 +42,14 @@ def _kind(name: str, shape: tuple[int, ...], qtype) -> str:
     return "f16" if len(shape) > 1 else "f32"
 
 
-def wan14b_gguf(directory: str, fmt: str, small: bool, layers_small: int = 2) -> str:
-    """A Wan-2.1-14B-shaped .gguf in `fmt` (tiny with `small`) under `directory`, written once."""
+def wan14b_gguf(directory: str, fmt: str, small: bool, layers_small: int = 2,
+                shape: tuple[int, int, int] | None = None) -> str:
+    """A Wan-2.1-14B-shaped .gguf in `fmt` (tiny with `small`; `shape`: (blocks, dim, ffn) instead)
+    under `directory`, written once."""
     import gguf
     from model_file import wan_template
     from wan_files import _is_norm_weight
-    layers, dim, ffn = (layers_small, 128, 256) if small else (40, 5120, 13824)
+    layers, dim, ffn = shape or ((layers_small, 128, 256) if small else (40, 5120, 13824))
     path = os.path.join(directory, f"wan_{fmt}_l{layers}_d{dim}.gguf")
     if os.path.exists(path):
         return path
