@@ -66,7 +66,9 @@ def run(model, inputs, steps: int, profile: bool = False):
     with torch.no_grad():
         for k in range(steps + 1):
             if k == 1 and profile and torch.cuda.is_available():
-                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                # CPU too: the table's totals tell launch-bound folds (CPU time > CUDA time) from GPU-bound ones
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
                 prof.__enter__()
             sync()
             t0 = time.perf_counter()
