@@ -200,11 +200,11 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
                                       whole_short=ram_room.short_of_whole(engine, self.ringswap.ram_budget_gb))
 
     def _codes_now(self, plan, device: torch.device) -> bool:
-        """compress=auto on attached raw homes: whether `plan`, timed by the last run, now codes them
-        (copy-bound enough); the blocks are then placed again through `load`, which codes."""
+        """Whether a load of `plan` would code the streamed homes the attachment holds raw (auto: the
+        last run's rates make it copy-bound enough); the blocks are then placed again through `load`.
+        Coded homes stay coded, so only this direction places again."""
         engine = self.swap_engine
-        if self.ringswap.compress != "auto" or engine.att.compress or \
-                (engine.coding is not None and engine.coding.pays is False):
+        if engine.att.compress or (engine.coding is not None and engine.coding.pays is False):
             return False
         code, why = self._compress_for(plan, device, ram_room.split_for(engine, plan.residency,
                                                                          self.ringswap.ram_budget_gb))
