@@ -285,11 +285,11 @@ class BlockSwapEngine:
             self._issue(block, slot)
         if slot.reading:
             att.file.finish(slot, wait=True)
-        waited = att.copier.compute_wait(slot.ready, block if self.in_order else None)
+        att.copier.compute_wait(slot.ready, block if self.in_order else None)
         s = self.states[block]
         s.slot = slot
         if att.on_land is not None and not slot.landed:
-            replaced = att.copier.landed(att.on_land, block, slot.views(s.layout), since=(waited, slot.ready))
+            replaced = att.copier.landed(att.on_land, block, slot.views(s.layout), ready=slot.ready)
             slot.replaced = s.binding.bindable(replaced) if replaced else None
         slot.landed = True
         s.binding.bind_joined(slot.joined(s.layout))

@@ -11,9 +11,11 @@ end (for a copy the host issues after its own work, a staging copy or a read, th
 the time the host held it back: the rate blocks arrive at); a stall lasts from the compute
 stream's arrival to the copy's end. The arrival is the slot-free event of the block that
 ran just before where there is one (`follows`), else a mark of its own; a block that
-follows so may have its on-land work (LoRA fold) timed, by an end event (one in
-LAND_SAMPLE). Finished events are folded into running totals as they pile up, so a run
-holds a few, not one per copy.
+follows so may have its on-land work (LoRA fold) timed (one in LAND_SAMPLE). On-land work
+runs on a land stream of its own: a host wait inside it (ComfyUI-GGUF's dequantize makes a
+blocking small copy, which synchronises its stream) then waits for the fold's own work, not
+for the compute queued ahead of it. Finished events are folded into running totals as they
+pile up, so a run holds a few, not one per copy.
 """
 from __future__ import annotations
 
@@ -85,13 +87,15 @@ class CopyStream:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.land_stream = torch.cuda.Stream(device) if self.cuda else None   # on-land work (LoRA folds)
+        self._call_begun = None               # compute's event at the call start: the call's first landing waits for it
         self._copies = Timings(total=True)
         self._waits = Timings(total=True)
         self._lands = Timings(total=False)    # sampled on-land (LoRA fold) times
         self._calls = Timings(total=False)    # each model call on the compute stream
         self._call_start = None
         self._last_copy: dict = {}            # each stream's latest end event (copy stream, coder's)
-        self._streams = {self.stream} if self.cuda else set()
+        self._streams = {self.stream, self.land_stream} if self.cuda else set()
         self._landings = 0                    # landings that followed a streamed block (the ones sampled)
         self._freed: tuple | None = None      # (block, event): the last slot-free event on the compute stream
         self._follows = False                 # the last compute_wait started from it
@@ -150,10 +154,12 @@ class CopyStream:
         self._waits.add((ready, before))
         return before
 
-    def landed(self, fn, *args, since: tuple = ()):
-        """Run the on-land work `fn(*args)` on the compute stream and return what it returns;
-        time one landing in LAND_SAMPLE of those that followed a streamed block (the arrival
-        came free), from the latest of `since` (the events it waited for) to its end."""
+    def landed(self, fn, *args, ready: "torch.cuda.Event | None" = None):
+        """Run the on-land work `fn(*args)` once the block's bytes are in (`ready`) and return what
+        it returns. On CUDA it runs on the land stream, after the compute enqueued before this
+        model call (what it reads from earlier ones, e.g. LoRA pairs moved there), and the
+        compute stream waits for its end; tensors it returns are marked used there. One landing in
+        LAND_SAMPLE of those that followed a streamed block is timed, from its start to its end."""
         timed = self._follows and self._landings % LAND_SAMPLE == 0
         self._landings += self._follows
         if not self.cuda:
@@ -162,11 +168,24 @@ class CopyStream:
             if timed:
                 self._lands.add((time.perf_counter() - t0,))
             return out
-        out = fn(*args)
-        if timed and any(e is not None for e in since):
-            end = _timing_event()
-            end.record(torch.cuda.current_stream(self.device))
-            self._lands.add((end, *since))
+        compute, land = torch.cuda.current_stream(self.device), self.land_stream
+        with torch.cuda.stream(land):
+            if self._call_begun is not None:
+                land.wait_event(self._call_begun)
+                self._call_begun = None
+            if ready is not None:
+                land.wait_event(ready)
+            start = _timing_event() if timed else None
+            if start is not None:
+                start.record(land)
+            out = fn(*args)
+            end = _timing_event() if timed else torch.cuda.Event()   # orders the compute after it
+            end.record(land)
+        compute.wait_event(end)
+        for t in (out or {}).values():
+            t.record_stream(compute)
+        if start is not None:
+            self._lands.add((end, start))
         return out
 
     def record_compute(self, block: int) -> "torch.cuda.Event | None":
@@ -189,6 +208,7 @@ class CopyStream:
         self._freed = None
         if start:
             self._call_start = mark
+            self._call_begun = mark if self.cuda else None
         elif self._call_start is not None:
             self._calls.add((mark - self._call_start,) if not self.cuda else (mark, self._call_start))
             self._call_start = None

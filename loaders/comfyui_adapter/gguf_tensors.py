@@ -27,13 +27,20 @@ class GgmlCodec:
     def __init__(self, cls: type):
         self.cls = cls
         self.pack = sys.modules.get(cls.__module__)   # the pack's ops module, under ComfyUI's name for it
+        self.dequant = sys.modules.get(self.pack.dequantize_tensor.__module__)   # its dequant module
 
     def quantized(self, spec) -> bool:
         """Whether a tensor of this spec holds quantized bytes (F32/F16 hold plain values)."""
         return bool(self.pack.is_quantized(self.join(spec, [torch.empty(0, dtype=torch.uint8)])))
 
     def dequantize(self, spec, parts, dtype: torch.dtype, dequant_dtype=None) -> torch.Tensor:
-        """The dense weight of the packed one, as the pack's layer computes it each forward."""
+        """The dense weight of the packed one, as the pack's layer computes it each forward
+        (`dequantize_tensor`'s steps for a quantized type, on the plain bytes: the same
+        kernels without a tensor subclass's overhead on each of the many small ops)."""
+        tensor_type, tensor_shape = spec
+        if tensor_type in self.dequant.dequantize_functions:
+            dequant_dtype = dtype if dequant_dtype == "target" else dequant_dtype
+            return self.dequant.dequantize(parts[0], tensor_type, tensor_shape, dtype=dequant_dtype).to(dtype)
         w = self.pack.dequantize_tensor(self.join(spec, parts), dtype, dequant_dtype)
         return w if type(w) is torch.Tensor else w.as_subclass(torch.Tensor)
 

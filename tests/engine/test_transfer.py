@@ -82,8 +82,9 @@ def test_cuda_copies_timed_from_the_stream_order():
 @pytest.mark.parametrize("window", [1, 3])
 def test_at_most_one_measuring_event_per_streamed_block(monkeypatch, window):
     """Over a run of several calls with a LoRA-like on-land step, the events the copy stream
-    records: two per streamed block order the streams (the copy's end, the slot's free event);
-    beyond them at most one per streamed block, plus a few per call and run."""
+    records: two per streamed block order the streams (the copy's end, the slot's free event;
+    a landing's end orders the compute after it with an untimed event); beyond them at most one
+    per streamed block, plus a few per call and run."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from toy_blocks import N, make_blocks, run
