@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..swap.state import ResidentWork
 from .blocks import SwappedBlocks
 from .checks import attr_index, attr_shape, check_patches, effective_patches
 from .dense_fold import WORKSPACE_FLOATS, DenseOp, dense_codec
@@ -37,9 +38,22 @@ class BlockFolder:
         self.ops = ops
 
     def __call__(self, block: int, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
-        ops = self.ops.get(block)
-        if not ops:
-            return None
+        return self._run(self.ops.get(block, ()), tensors)
+
+    def in_place(self, block: int, tensors: list[torch.Tensor]) -> None:
+        """The fold work that writes the block's own tensors (once, where it stays resident)."""
+        self._run([op for op in self.ops.get(block, ()) if not isinstance(op, DenseOp)], tensors)
+
+    def dense(self, block: int, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
+        """The dense weights to bind while the block computes (before each call, where resident)."""
+        return self._run([op for op in self.ops.get(block, ()) if isinstance(op, DenseOp)], tensors)
+
+    def resident_work(self) -> ResidentWork:
+        """How a resident block is folded: in place once, its dense weights before each call."""
+        return ResidentWork(self.dense_blocks, self.in_place, self.dense)
+
+    @staticmethod
+    def _run(ops, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
         dense = None
         with torch.no_grad():
             for op in ops:
@@ -52,6 +66,11 @@ class BlockFolder:
     def extra_bytes(self, block: int) -> int:
         """Device bytes a landing of `block` holds beyond its own: its dense weights."""
         return sum(op.nbytes for op in self.ops.get(block, ()) if isinstance(op, DenseOp))
+
+    @property
+    def dense_blocks(self) -> frozenset[int]:
+        """The blocks whose fold makes dense weights to bind (folded before each call where resident)."""
+        return frozenset(b for b in self.ops if self.extra_bytes(b))
 
     @property
     def workspace_bytes(self) -> int:

@@ -20,11 +20,12 @@ from .host_pool import HostPool
 from .layout import BlockLayout
 from .plan import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
+from .resident_folds import fold_resident
 from .slot_ring import Slot, SlotRing
 from .coding import Coding, coding_for, keep_coder
 from .plane_codec import PlaneCoder
 from .sources import CodedSource, FileSource, RamSource
-from .state import Attachment, BlockState, OnLand
+from .state import Attachment, BlockState, OnLand, ResidentWork
 from .stats import RunStats
 
 log = logging.getLogger("ringswap.engine")
@@ -128,13 +129,15 @@ class BlockSwapEngine:
                pin_memory: str = "auto", owner: object = None, on_land: OnLand | None = None,
                ram_blocks: Iterable[int] | None = None,
                progress: Callable[[int, int], None] | None = None, compress: bool = False,
-               may_code: bool = False) -> ResidencyPlan:
+               may_code: bool = False, resident_work: ResidentWork | None = None) -> ResidencyPlan:
         """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` runs on the compute stream when a block lands, before it
         computes (a LoRA fold); it may return {attr index: tensor} to bind instead, held until
         the slot is refilled. `ram_blocks` (home=auto): the streamed blocks held in RAM.
         `progress(done, total)` follows file reads. The same settings again only take `owner`.
-        `compress`: coded RAM homes; `may_code`: resident blocks kept at detach are coded."""
+        `compress`: coded RAM homes; `may_code`: resident blocks kept at detach are coded.
+        `resident_work`: on-land work split for its blocks where they stay resident (dense weights
+        made before each call instead of held: swap/resident_folds.py)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -143,10 +146,11 @@ class BlockSwapEngine:
         if plan.num_blocks != self.num_blocks:
             raise ValueError(f"the plan is for {plan.num_blocks} blocks, the engine has {self.num_blocks}")
         keep = self.ram_homes(plan, ram_blocks)
+        resident_work = resident_work if on_land is not None else None
         if self.att is not None:
             a = self.att
-            if (a.device, a.plan, a.pin_memory, a.on_land, a.ram_homes, a.compress) == \
-                    (device, plan, pin_memory, on_land, keep, compress):
+            if (a.device, a.plan, a.pin_memory, a.on_land, a.ram_homes, a.compress, a.resident_work) == \
+                    (device, plan, pin_memory, on_land, keep, compress, resident_work):
                 self.att.owner, self.att.may_code = owner, may_code
                 return plan
             self.detach()
@@ -157,7 +161,7 @@ class BlockSwapEngine:
         read_back = self._ensure_home(keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
         att = Attachment(device, plan, "", pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
-        att.compress, att.may_code = compress, may_code
+        att.compress, att.may_code, att.resident_work = compress, may_code, resident_work
         if compress or self.pool.coded:   # coded homes decode with a coder for this device
             self.coding = coding_for(self.coding, self.coder_factory, device)
         homed = [i for i in plan.streamed if i in keep]
@@ -188,9 +192,9 @@ class BlockSwapEngine:
             for i in att.upcoming()[:plan.ring_slots]:
                 self._issue(i, att.ring.victim([]))
             att.copier.take_times()   # resident placement is loading, not a run's copies
-            for i in placing if on_land is not None else ():
-                binding = self.states[i].binding
-                binding.bind_some(binding.bindable(on_land(i, binding.current()) or {}))
+            if on_land is not None:
+                att.resident_folds = fold_resident(self.states, placing, plan.resident, on_land,
+                                                   att.resident_work, att.copier)
             att.stats = att.new_stats()
         except BaseException:
             if pinning is not None:
@@ -240,6 +244,8 @@ class BlockSwapEngine:
                 att.readahead.release_all()
             if att.hooks is not None:
                 att.hooks.remove()
+            if att.resident_folds is not None:
+                att.resident_folds.remove()
             for s in self.states:
                 if s.index in kept:
                     continue
@@ -374,7 +380,7 @@ class BlockSwapEngine:
         device, pin_memory, owner, on_land = att.device, att.pin_memory, att.owner, att.on_land
         self._detach(frozenset(att.plan.resident) & frozenset(plan.resident), unpin=False)
         self.attach(device, plan, pin_memory, owner, on_land, att.ram_homes if ram_blocks is None else ram_blocks,
-                    compress=att.compress)
+                    compress=att.compress, resident_work=att.resident_work)
         self.att.stats = stats.continued(self.att.stats, after_oom)
         return plan
 

@@ -159,11 +159,15 @@ class BlockBinding:
         return {k: nn.Parameter(v, requires_grad=False) if self.targets[k][1].is_param else v
                 for k, v in values.items()}
 
-    def bind_some(self, values: dict[int, torch.Tensor]) -> None:
-        """Point the attributes at these indices (into `layout.attrs`) at other tensors (from `bindable`)."""
+    def bind_some(self, values: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Point the attributes at these indices (into `layout.attrs`) at other tensors (from
+        `bindable`); returns what they held before (to bind back)."""
+        before = {}
         for k, v in values.items():
             module, a = self.targets[k]
-            (module._parameters if a.is_param else module._buffers)[a.name] = v
+            held = module._parameters if a.is_param else module._buffers
+            before[k], held[a.name] = held[a.name], v
+        return before
 
     def bind_joined(self, values: list) -> None:
         """Point the block's parameters and buffers at `values` from `layout.joined`."""

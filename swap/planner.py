@@ -46,6 +46,7 @@ class PlanInputs:
     compute_s: float = 0.0           # measured device time of one model call (0 = not measured yet)
     conds_per_step: int = 1          # conds the sampler computes each step (cond + uncond: 2)
     conds_per_call: int = 1          # of those, computed together in one model call under this plan
+    dense_bytes: tuple[int, ...] = ()   # each block's dense weights while it computes (a GGUF LoRA fold), or ()
 
     @property
     def num_blocks(self) -> int:
@@ -65,10 +66,15 @@ class PlanInputs:
         return int(room)
 
 
-def device_bytes(block_sizes: tuple[int, ...], plan: ResidencyPlan) -> int:
-    """Block bytes on the device under `plan`: resident blocks plus ring slots of the largest streamed block."""
-    ring = max((block_sizes[i] for i in plan.streamed), default=0)
-    return sum(block_sizes[i] for i in plan.resident) + ring * plan.ring_slots
+def device_bytes(block_sizes: tuple[int, ...], plan: ResidencyPlan, dense_bytes: tuple[int, ...] = ()) -> int:
+    """Block bytes on the device under `plan`: resident blocks plus ring slots of the largest
+    streamed block. `dense_bytes`: a block's dense weights, made before it computes: a ring slot
+    holds its block's; resident blocks are folded before each call, two sets alive at most (the
+    one computing and the next, folded ahead on the land stream)."""
+    dense = dense_bytes or (0,) * len(block_sizes)
+    ring = max((block_sizes[i] + dense[i] for i in plan.streamed), default=0)
+    in_use = 2 * max((dense[i] for i in plan.resident), default=0)
+    return sum(block_sizes[i] for i in plan.resident) + in_use + ring * plan.ring_slots
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ class WindowPlan:
 
     @property
     def block_bytes_on_device(self) -> int:
-        return device_bytes(self.inputs.block_sizes, self.residency)
+        return device_bytes(self.inputs.block_sizes, self.residency, self.inputs.dense_bytes)
 
     @property
     def over_bytes(self) -> int:
@@ -183,7 +189,7 @@ class WindowPlan:
 
 def _fits(i: PlanInputs, window: int, prefetch: int) -> ResidencyPlan | None:
     plan = ResidencyPlan.make(i.num_blocks, window, prefetch)
-    return plan if device_bytes(i.block_sizes, plan) <= i.room_bytes else None
+    return plan if device_bytes(i.block_sizes, plan, i.dense_bytes) <= i.room_bytes else None
 
 
 def _largest(i: PlanInputs, prefetch: int) -> WindowPlan | None:
@@ -216,7 +222,7 @@ def plan_window(i: PlanInputs) -> WindowPlan:
         plan = _fits(i, 1, prefetch)
         if plan is not None:
             return WindowPlan(i, plan, True)
-    need = max(i.block_sizes)
+    need = max(b + d for b, d in zip(i.block_sizes, i.dense_bytes or (0,) * i.num_blocks))
     raise NotEnoughVRAM(
         f"RingSwap: not even one block fits on {i.device}: {i.free_bytes / GB:.2f} GB free"
         + (f", budget {i.budget_bytes / GB:.2f} GB" if i.budget_bytes else "")

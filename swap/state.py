@@ -7,6 +7,7 @@ run's stats.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,6 +25,16 @@ from .transfer import CopyStream
 
 
 OnLand = Callable[[int, list[torch.Tensor]], "dict[int, torch.Tensor] | None"]   # see BlockSwapEngine.attach
+
+
+@dataclass(frozen=True)
+class ResidentWork:
+    """On-land work of `blocks` split for where they stay resident: `placed` once, when placed
+    (it writes the block's own tensors), `each_call` before each call (its replacements, e.g.
+    dense weights, are bound only while the block computes: swap/resident_folds.py)."""
+    blocks: frozenset[int]
+    placed: OnLand
+    each_call: OnLand
 
 
 class BlockState:
@@ -68,6 +79,8 @@ class Attachment:
         self.compress = False       # streamed RAM homes are kept coded (swap/coding.py)
         self.may_code = False       # resident blocks kept in RAM at detach are coded (coding.keep_coder)
         self.hooks: BlockHooks | None = None
+        self.resident_work: ResidentWork | None = None   # on-land work split for resident blocks
+        self.resident_folds = None  # their hooks (swap/resident_folds.py)
         self.order = CallOrder(plan.streamed, learned)
         self.stats = self.new_stats()
 

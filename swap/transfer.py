@@ -154,14 +154,16 @@ class CopyStream:
         self._waits.add((ready, before))
         return before
 
-    def landed(self, fn, *args, ready: "torch.cuda.Event | None" = None):
+    def landed(self, fn, *args, ready: "torch.cuda.Event | None" = None, sample: bool = True):
         """Run the on-land work `fn(*args)` once the block's bytes are in (`ready`) and return what
         it returns. On CUDA it runs on the land stream, after the compute enqueued before this
         model call (what it reads from earlier ones, e.g. LoRA pairs moved there), and the
         compute stream waits for its end; tensors it returns are marked used there. One landing in
-        LAND_SAMPLE of those that followed a streamed block is timed, from its start to its end."""
-        timed = self._follows and self._landings % LAND_SAMPLE == 0
-        self._landings += self._follows
+        LAND_SAMPLE of those that followed a streamed block is timed, from its start to its end
+        (`sample=False`: never, e.g. a resident block's fold before each call)."""
+        follows = sample and self._follows
+        timed = follows and self._landings % LAND_SAMPLE == 0
+        self._landings += follows
         if not self.cuda:
             t0 = time.perf_counter()
             out = fn(*args)

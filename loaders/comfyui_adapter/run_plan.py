@@ -197,9 +197,10 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
     else:
         activation, source = 0, "no latent known"
     per_step = request.conds_per_step if request is not None else 1
-    folder = patcher.lora_folder(device)   # dense folds (GGUF) hold their dense weights per landing
+    folder = patcher.lora_folder(device)   # dense folds (GGUF) hold dense weights while a block computes
     return PlanInputs(
-        block_sizes=tuple(s.layout.nbytes + (folder.extra_bytes(s.index) if folder else 0) for s in engine.states),
+        block_sizes=tuple(s.layout.nbytes for s in engine.states),
+        dense_bytes=tuple(folder.extra_bytes(s.index) for s in engine.states) if folder else (),
         nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes if folder else 0)
         + compress_choice.scratch_bytes(settings.compress, device, engine.home, engine.read_block is not None,
                                          bool(engine.pool.coded), copy_bound),

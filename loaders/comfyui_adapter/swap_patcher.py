@@ -160,9 +160,11 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         may_code = compress_choice.may_code(self.ringswap.compress, device, engine.read_block is not None)
         if may_code:
             engine.coder_factory = compress_choice.coder_factory
+        folder = self.lora_folder(device)
         engine.attach(device, plan.residency, self.ringswap.pin_memory,
-                      owner=weakref.ref(self), on_land=self.lora_folder(device), ram_blocks=ram_blocks,
-                      progress=live_feed.progress_bar(), compress=compress, may_code=may_code)
+                      owner=weakref.ref(self), on_land=folder, ram_blocks=ram_blocks,
+                      progress=live_feed.progress_bar(), compress=compress, may_code=may_code,
+                      resident_work=folder.resident_work() if folder is not None else None)
         if compress and split is not None and split.file_blocks:   # coded homes left room for more
             split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
             if len(split.ram_blocks) > len(ram_blocks):
@@ -178,7 +180,6 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
         read, read_s = engine.read_back
-        folder = self.lora_folder(device)
         dense = max((folder.extra_bytes(i) for i in range(engine.num_blocks)), default=0) if folder else 0
         coding = compress_choice.line(engine, why, plan.residency.streamed, plan.inputs.calls_per_step)
         log.info("%s; %s memory, %.2f GB at home%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
+from ringswap.swap.state import ResidentWork
 from ringswap.swap.transfer import LAND_SAMPLE
 
 from toy_blocks import N, FileLike, make_blocks, run
@@ -500,3 +501,55 @@ def _kernel_pages_out(tmp_path) -> bool:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         FileMaps().page_out([torch.from_numpy(mm)])
     return touched - _rss_file() >= 4 << 20 and touched > before
+
+
+@pytest.mark.parametrize("home", ["ram", "disk"])
+def test_resident_blocks_named_fold_per_call_hold_their_dense_weights_only_while_they_compute(home):
+    """resident_work (a GGUF LoRA fold): a resident block gets its in-place work once, at
+    placing, keeps its own weights bound between calls and gets its dense replacement before
+    each call, bound only while it computes; streamed blocks fold once per landing as before;
+    outputs stay the doubled model's over several calls and re-plans, and the reattach carries
+    the split over."""
+    blocks, doubled = make_blocks(), make_blocks()
+    for b in doubled:
+        b.lin.weight.data.mul_(2)
+    want = run(doubled, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
+    k = next(i for i, a in enumerate(engine.states[0].layout.attrs) if (a.path, a.name) == ("lin", "weight"))
+    entry = engine.states[0].layout.attrs[k].entries[0]
+    folds: list[int] = []
+    placed: list[int] = []
+    seen: list = []
+
+    def on_land(block, tensors):
+        folds.append(block)
+        return {k: tensors[entry] * 2}
+
+    probes = [b.lin.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, m.weight.data_ptr())))
+              for i, b in enumerate(blocks)]
+    try:
+        work = ResidentWork(frozenset(range(N)), lambda block, tensors: placed.append(block), on_land)
+        plan = engine.attach("cpu", ResidencyPlan.make(N, 3, 1), on_land=on_land, resident_work=work)
+        assert sorted(placed) == sorted(plan.resident), "their in-place work runs once, at placing"
+        own = {i: blocks[i].lin.weight.data_ptr() for i in plan.resident}
+        assert folds == [], "resident blocks are not folded at placing"
+        for call in range(3):
+            folds.clear()
+            assert torch.equal(run(blocks, X), want), call
+            assert sorted(f for f in folds if f in plan.resident) == sorted(plan.resident), "once per call"
+        assert engine.att.resident_folds.packed == {}, "dense weights dropped after each block"
+        for i in plan.resident:
+            assert blocks[i].lin.weight.data_ptr() == own[i], "its own weight bound between calls"
+            assert all(p != own[i] for j, p in seen if j == i), "it computed from the dense weight"
+        smaller = engine.reattach(plan.reshaped(2, 1), after_oom=False)
+        assert engine.att.resident_work is work
+        assert torch.equal(run(blocks, X), want)
+        assert engine.att.resident_folds is not None and len(smaller.resident) >= 1
+        engine.end_run()
+        engine.detach()
+        if home == "ram":
+            assert torch.equal(run(blocks, X), run(make_blocks(), X)), "nothing folded stays behind"
+    finally:
+        for p in probes:
+            p.remove()
