@@ -47,6 +47,7 @@ class PlanInputs:
     conds_per_step: int = 1          # conds the sampler computes each step (cond + uncond: 2)
     conds_per_call: int = 1          # of those, computed together in one model call under this plan
     dense_bytes: tuple[int, ...] = ()   # each block's dense weights while it computes (a GGUF LoRA fold), or ()
+    dense_per_call: bool = False     # resident blocks make theirs before each call (else hold them: plan_window)
 
     @property
     def num_blocks(self) -> int:
@@ -66,15 +67,17 @@ class PlanInputs:
         return int(room)
 
 
-def device_bytes(block_sizes: tuple[int, ...], plan: ResidencyPlan, dense_bytes: tuple[int, ...] = ()) -> int:
+def device_bytes(block_sizes: tuple[int, ...], plan: ResidencyPlan, dense_bytes: tuple[int, ...] = (),
+                 dense_per_call: bool = False) -> int:
     """Block bytes on the device under `plan`: resident blocks plus ring slots of the largest
-    streamed block. `dense_bytes`: a block's dense weights, made before it computes: a ring slot
-    holds its block's; resident blocks are folded before each call, two sets alive at most (the
-    one computing and the next, folded ahead on the land stream)."""
+    streamed block. `dense_bytes`: a block's dense weights, made when it lands: a ring slot holds
+    its block's; a resident block holds its own, or with `dense_per_call` makes them before each
+    call, two sets alive at most (the one computing and the next, folded ahead)."""
     dense = dense_bytes or (0,) * len(block_sizes)
     ring = max((block_sizes[i] + dense[i] for i in plan.streamed), default=0)
-    in_use = 2 * max((dense[i] for i in plan.resident), default=0)
-    return sum(block_sizes[i] for i in plan.resident) + in_use + ring * plan.ring_slots
+    held = 0 if dense_per_call else sum(dense[i] for i in plan.resident)
+    in_use = 2 * max((dense[i] for i in plan.resident), default=0) if dense_per_call else 0
+    return sum(block_sizes[i] for i in plan.resident) + held + in_use + ring * plan.ring_slots
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ class WindowPlan:
 
     @property
     def block_bytes_on_device(self) -> int:
-        return device_bytes(self.inputs.block_sizes, self.residency, self.inputs.dense_bytes)
+        i = self.inputs
+        return device_bytes(i.block_sizes, self.residency, i.dense_bytes, i.dense_per_call)
 
     @property
     def over_bytes(self) -> int:
@@ -189,7 +193,7 @@ class WindowPlan:
 
 def _fits(i: PlanInputs, window: int, prefetch: int) -> ResidencyPlan | None:
     plan = ResidencyPlan.make(i.num_blocks, window, prefetch)
-    return plan if device_bytes(i.block_sizes, plan, i.dense_bytes) <= i.room_bytes else None
+    return plan if device_bytes(i.block_sizes, plan, i.dense_bytes, i.dense_per_call) <= i.room_bytes else None
 
 
 def _largest(i: PlanInputs, prefetch: int) -> WindowPlan | None:
@@ -204,7 +208,22 @@ def _largest(i: PlanInputs, prefetch: int) -> WindowPlan | None:
 def plan_window(i: PlanInputs) -> WindowPlan:
     """The largest window (and, if need be, a smaller prefetch) whose blocks fit in the room
     left; a manual window is kept as asked (the plan says how far over the room it goes).
-    Raises NotEnoughVRAM when not even one block fits."""
+    With dense folds, resident blocks hold their dense weights or make them before each call,
+    whichever keeps more blocks resident (a manual window: takes fewer bytes; a tie: held, no
+    fold per call). Raises NotEnoughVRAM when not even one block fits."""
+    if not any(i.dense_bytes):
+        return _plan_window(i)
+    plans = []
+    for per_call in (False, True):
+        try:
+            plans.append(_plan_window(replace(i, dense_per_call=per_call)))
+        except NotEnoughVRAM:
+            if per_call and not plans:
+                raise
+    return min(plans, key=lambda p: (-len(p.residency.resident), p.block_bytes_on_device, p.inputs.dense_per_call))
+
+
+def _plan_window(i: PlanInputs) -> WindowPlan:
     if i.num_blocks < 1:
         raise ValueError("the model has no transformer blocks")
     if i.window > 0:
@@ -283,7 +302,7 @@ def replan_with_rates(plan: WindowPlan, compute_s: float, link_bytes_per_s: floa
     inputs = replace(plan.inputs, compute_s=compute_s, link_bytes_per_s=link_bytes_per_s)
     now = replace(plan, inputs=inputs)   # the plan that ran, timed
     try:
-        new = plan_window(inputs)
+        new = _plan_window(inputs)   # the dense policy of the plan attached (reattach keeps its work)
     except NotEnoughVRAM:
         return None
     new = _near(new, plan.residency)
@@ -323,7 +342,7 @@ def shrink_after_oom(plan: WindowPlan) -> WindowPlan | None:
     inputs = replace(plan.inputs, window=0, activation_bytes=plan.inputs.activation_bytes + extra,
                      activation_source="doubled after running out of memory")
     try:
-        smaller = plan_window(inputs)
+        smaller = _plan_window(inputs)
     except NotEnoughVRAM:
         smaller = None
     if smaller is None or smaller.window >= r.window:

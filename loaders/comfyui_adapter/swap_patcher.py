@@ -164,7 +164,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         engine.attach(device, plan.residency, self.ringswap.pin_memory,
                       owner=weakref.ref(self), on_land=folder, ram_blocks=ram_blocks,
                       progress=live_feed.progress_bar(), compress=compress, may_code=may_code,
-                      resident_work=folder.resident_work() if folder is not None else None)
+                      resident_work=folder.resident_work() if folder is not None and plan.inputs.dense_per_call
+                      else None)
         if compress and split is not None and split.file_blocks:   # coded homes left room for more
             split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
             if len(split.ram_blocks) > len(ram_blocks):
@@ -185,7 +186,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         log.info("%s; %s memory, %.2f GB at home%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
                  engine.pool.nbytes / 1e9, f"; {split.line()}" if split is not None else "",
                  f"; {coding}" if coding else "",
-                 f"; LoRA on GGUF: {dense / 1e9:.2f} GB of dense weights a block on the device (planned)"
+                 f"; LoRA on GGUF: {dense / 1e9:.2f} GB of dense weights a block on the device (planned"
+                 f"{', made before each call where resident' if plan.inputs.dense_per_call else ''})"
                  if dense else "", time.perf_counter() - t0,
                  f" (read {read / 1e9:.2f} GB from the file in {read_s:.2f} s)" if read else "",
                  " (switched from another block-swapped model)" if switched else "")

@@ -278,3 +278,25 @@ def test_replan_with_rates_takes_the_timed_plan_where_it_pays_back():
     assert replan_with_rates(manual, 1.0, 10.5 * b, 20, lambda r: 0.0) is None
     resident = plan_window(replace(untimed.inputs, free_bytes=20 * b))
     assert replan_with_rates(resident, 1.0, 10.5 * b, 20, lambda r: 0.0) is None
+
+
+def test_dense_folds_are_held_or_made_per_call_whichever_keeps_more_blocks_resident():
+    """GGUF with a LoRA: each block copies its packed bytes (block_sizes) and computes from dense
+    weights (dense_bytes). A ring slot holds both; a resident block holds its dense weights or
+    makes them before each call (two sets alive). Little room: held (a tie keeps them held);
+    more room: per call, more blocks resident; copies are counted at the packed bytes only."""
+    q, d = GB // 4, 3 * GB // 4
+    dense = inputs(block_sizes=(q,) * N, dense_bytes=(d,) * N)
+    small = plan_window(replace(dense, free_bytes=4 * GB + 3 * (q + d)))
+    assert not small.inputs.dense_per_call and len(small.residency.resident) == 1
+    assert small.block_bytes_on_device == (q + d) * (1 + small.residency.ring_slots)
+    big = plan_window(replace(dense, free_bytes=12 * GB))
+    assert big.inputs.dense_per_call
+    k = len(big.residency.resident)
+    assert big.block_bytes_on_device == k * q + 2 * d + big.residency.ring_slots * (q + d) <= big.inputs.room_bytes
+    assert k > (big.inputs.room_bytes - 2 * (q + d)) // (q + d), "more resident than holding dense weights allows"
+    assert big.streamed_bytes == len(big.residency.streamed) * q
+    assert plan_window(replace(dense, window=3)).inputs.dense_per_call is False, "2 resident: holding costs less"
+    assert plan_window(replace(dense, window=6)).inputs.dense_per_call, "5 resident: per call costs less"
+    smaller = shrink_after_oom(big)
+    assert smaller.inputs.dense_per_call and smaller.window < big.window, "the recovery keeps the attached policy"
