@@ -5,7 +5,7 @@
 #   run(carry=[".whl", ".comfyui-0.33-device"], command="bash bench/device_run.sh suite-033")
 # Parts: suite (all tests on ComfyUI 0.3.75, ~3 min), suite-033 (all tests on ComfyUI
 # 0.33.0, dynamic VRAM off), suite-033-dyn (the same with 0.33's dynamic VRAM started as
-# its main.py does, RINGSWAP_DYNAMIC_VRAM=1), gpu-gguf (the GGUF GPU tests on 0.3.75), gpu / gpu-033 / gpu-033-dyn (only the tests
+# its main.py does, RINGSWAP_DYNAMIC_VRAM=1), gpu-gguf / gpu-gguf-033-dyn (the GGUF GPU tests on 0.3.75 / 0.33 dynamic), gpu / gpu-033 / gpu-033-dyn (only the tests
 # marked gpu, same three runtimes), dyn-bench (bench/dynamic_vram.py on 0.33, ~6 min), fold (bench/fold.py, ~1.5 min), kernels
 # (bench/fold_kernels.py, ~1 min), auto / auto-033-dyn / auto-fp8-033-dyn (bench/auto_window.py, bf16 or
 # scaled fp8, caps 24/16/12 GiB, ~6 min), stream-quant (stream.py, scaled fp8 + nvfp4, ~4 min),
@@ -87,6 +87,7 @@ for p in "$@"; do
     gpu-033) part gpu_033 150 0.33 0 bash -c "$gpu_tests" ;;
     gpu-033-dyn) part gpu_033_dyn 240 0.33 1 bash -c "$gpu_tests" ;;
     gpu-gguf) part gpu_gguf 90 0.3.75 0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui/test_gguf.py ;;
+    gpu-gguf-033-dyn) part gpu_gguf_033_dyn 90 0.33 1 python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui/test_gguf.py ;;
     dyn-bench) part dyn_bench 470 0.33 "" python3 bench/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
     auto-033-dyn) part auto_033_dyn 420 0.33 1 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16_033dyn.json" ;;
     auto-fp8-033-dyn) part auto_fp8_033_dyn 330 0.33 1 python3 bench/auto_window.py --format scaled_fp8 \
@@ -168,7 +169,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do

@@ -321,9 +321,10 @@ def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_serve
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_gguf_on_cuda_bit_exact_and_lora_close(gguf_dir, qtype):
-    """On CUDA: RingSwap Patch on a GGUF MODEL at windows 1-2, prefetch 1-2, equals
-    ComfyUI-GGUF's own run bit for bit; with a LoRA (fused addmm_ per landing) it differs from
-    the pack's per-forward math by far less than the LoRA's own effect."""
+    """On CUDA: RingSwap Patch on a GGUF MODEL at windows 1-2, prefetch 1-2, and all resident
+    equals ComfyUI-GGUF's own run bit for bit; with a LoRA (fused addmm_ on the land stream; all
+    resident: the dense weights made before each call) it differs from the pack's per-forward
+    math by far less than the LoRA's own effect."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     name = f"wan_{qtype}_F32.gguf"
@@ -332,7 +333,7 @@ def test_gguf_on_cuda_bit_exact_and_lora_close(gguf_dir, qtype):
     want = forward(lora_on(load_gguf(name), "kohya"), *x)
     comfy.model_management.unload_all_models()
     base = load_gguf(name)
-    for window, prefetch in ((1, 1), (2, 2)):
+    for window, prefetch in ((1, 1), (2, 2), (BLOCKS, 1)):
         (model,) = RingSwapPatch().patch(base, window, prefetch, "auto")
         for _ in range(2):
             assert torch.equal(forward(model, *x), plain), (qtype, window, prefetch)
@@ -341,4 +342,5 @@ def test_gguf_on_cuda_bit_exact_and_lora_close(gguf_dir, qtype):
         for _ in range(2):
             got = forward(model, *x)
             assert (got - want).float().norm() <= 0.02 * (want - plain).float().norm(), (qtype, window, prefetch)
+        assert model.ringswap_run.plan.inputs.dense_per_call == (window == BLOCKS), "held for 1 resident, per call for 4"
         comfy.model_management.unload_all_models()
