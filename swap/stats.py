@@ -61,8 +61,9 @@ class RunStats:
 
     @property
     def fold_s_per_block(self) -> float:
-        """Median device time of a streamed block's on-land work (LoRA fold): the median, as the
-        first folds also wait for kernel compiles and the LoRA pairs' first copy."""
+        """Median span of a streamed block's on-land work (LoRA fold) on the land stream, from its
+        start to its end (it shares the device with the compute it runs beside): the median, as
+        the first folds also wait for kernel compiles and the LoRA pairs' first copy."""
         return statistics.median(self.land_times) if self.land_times else 0.0
 
     @property
@@ -80,7 +81,7 @@ class RunStats:
                 f"copied {self.bytes_copied / 1e9:.2f} GB in {self.copies} copies at {self.gbps:.1f} GB/s; "
                 f"copy time {self.copy_s * 1e3:.0f} ms, {self.hidden_s * 1e3:.0f} ms hidden under compute "
                 f"({hidden:.0f}%), compute waited {self.wait_s * 1e3:.0f} ms"
-                + (f"; LoRA fold {1e3 * self.fold_s_per_block:.2f} ms per block"
+                + (f"; LoRA fold {1e3 * self.fold_s_per_block:.2f} ms per block (on its own stream, beside compute)"
                    if self.fold_s_per_block else "")
                 + (f"; {self.calls} model calls, {self.compute_s:.2f} s compute each" if self.call_times else "")
                 + (f"; {self.unplanned} out-of-order fetches" if self.unplanned else "")
