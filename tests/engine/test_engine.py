@@ -84,19 +84,22 @@ def test_on_land_runs_once_per_landing_before_the_block_computes(home):
             p.remove()
 
 
+def doubled_weight_engine(home: str):
+    """Toy blocks on an engine reading them from a file-like source, the output of the same
+    blocks with `lin.weight` doubled, and the attribute index and entry of `lin.weight`."""
+    blocks, doubled = make_blocks(), make_blocks()
+    for b in doubled:
+        b.lin.weight.data.mul_(2)
+    engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home=home, disk_workers=2)
+    k = next(i for i, a in enumerate(engine.states[0].layout.attrs) if (a.path, a.name) == ("lin", "weight"))
+    return blocks, run(doubled, X), engine, k, engine.states[0].layout.attrs[k].entries[0]
+
 @pytest.mark.parametrize("home", ["ram", "disk"])
 def test_on_land_replacements_are_bound_instead_and_dropped_at_refill(home):
     """on_land may hand back another tensor for an attribute (a packed weight's dense form):
     the block computes from it, its own landed bytes stay unchanged, and a streamed block's
     replacement lives only while its slot holds that block (released when the slot is refilled)."""
-    blocks, doubled = make_blocks(), make_blocks()
-    for b in doubled:
-        b.lin.weight.data.mul_(2)
-    want = run(doubled, X)
-    src = FileLike(blocks)
-    engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
-    k = next(i for i, a in enumerate(engine.states[0].layout.attrs) if (a.path, a.name) == ("lin", "weight"))
-    entry = engine.states[0].layout.attrs[k].entries[0]
+    blocks, want, engine, k, entry = doubled_weight_engine(home)
     made: list = []
 
     def on_land(block, tensors):
@@ -510,14 +513,7 @@ def test_resident_blocks_named_fold_per_call_hold_their_dense_weights_only_while
     each call, bound only while it computes; streamed blocks fold once per landing as before;
     outputs stay the doubled model's over several calls and re-plans, and the reattach carries
     the split over."""
-    blocks, doubled = make_blocks(), make_blocks()
-    for b in doubled:
-        b.lin.weight.data.mul_(2)
-    want = run(doubled, X)
-    src = FileLike(blocks)
-    engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
-    k = next(i for i, a in enumerate(engine.states[0].layout.attrs) if (a.path, a.name) == ("lin", "weight"))
-    entry = engine.states[0].layout.attrs[k].entries[0]
+    blocks, want, engine, k, entry = doubled_weight_engine(home)
     folds: list[int] = []
     placed: list[int] = []
     seen: list = []
