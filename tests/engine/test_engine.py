@@ -94,6 +94,7 @@ def doubled_weight_engine(home: str):
     k = next(i for i, a in enumerate(engine.states[0].layout.attrs) if (a.path, a.name) == ("lin", "weight"))
     return blocks, run(doubled, X), engine, k, engine.states[0].layout.attrs[k].entries[0]
 
+
 @pytest.mark.parametrize("home", ["ram", "disk"])
 def test_on_land_replacements_are_bound_instead_and_dropped_at_refill(home):
     """on_land may hand back another tensor for an attribute (a packed weight's dense form):
