@@ -180,7 +180,7 @@ class WindowPlan:
     def as_dict(self) -> dict:
         """The plan for the browser and GET /ringswap/plan (JSON-ready)."""
         i, r = self.inputs, self.residency
-        d = {k: v for k, v in asdict(i).items() if k != "block_sizes"}
+        d = {k: v for k, v in asdict(i).items() if k not in ("block_sizes", "dense_bytes")}
         d.update(num_blocks=r.num_blocks, window=r.window, prefetch=r.prefetch, automatic=self.automatic,
                  resident=len(r.resident), streamed=len(r.streamed), ring_slots=r.ring_slots,
                  resident_blocks=list(r.resident),
