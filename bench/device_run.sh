@@ -71,6 +71,7 @@ part() {   # part NAME SECONDS COMFY DYN COMMAND...   (COMFY: 0.3.75 or 0.33; DY
   summary+=("$name: rc=$rc in $((SECONDS - t0)) s$([ $rc = 97 ] && echo ' (setup failed, see its log)')")
 }
 pytest=(python3 -m pytest -q -p no:cacheprovider tests/comfyui)
+gguf_gpu_tests=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui/test_gguf.py)
 # the gpu parts: tests/engine and tests/comfyui in two sessions (each folder has its own conftest)
 gpu_tests='python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine; e=$?; python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui; c=$?; exit $((e || c))'
 compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s inside the part's limit
@@ -87,8 +88,8 @@ for p in "$@"; do
     gpu) part gpu 200 0.3.75 0 bash -c "$gpu_tests" ;;
     gpu-033) part gpu_033 150 0.33 0 bash -c "$gpu_tests" ;;
     gpu-033-dyn) part gpu_033_dyn 240 0.33 1 bash -c "$gpu_tests" ;;
-    gpu-gguf) part gpu_gguf 90 0.3.75 0 python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui/test_gguf.py ;;
-    gpu-gguf-033-dyn) part gpu_gguf_033_dyn 90 0.33 1 python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui/test_gguf.py ;;
+    gpu-gguf) part gpu_gguf 90 0.3.75 0 "${gguf_gpu_tests[@]}" ;;
+    gpu-gguf-033-dyn) part gpu_gguf_033_dyn 90 0.33 1 "${gguf_gpu_tests[@]}" ;;
     dyn-bench) part dyn_bench 470 0.33 "" python3 bench/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
     auto-033-dyn) part auto_033_dyn 420 0.33 1 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16_033dyn.json" ;;
     auto-fp8-033-dyn) part auto_fp8_033_dyn 330 0.33 1 python3 bench/auto_window.py --format scaled_fp8 \

@@ -36,17 +36,19 @@ class BlockFolder:
 
     def __init__(self, ops: dict[int, list[FoldOp]]):
         self.ops = ops
+        self._dense = {b: [op for op in v if isinstance(op, DenseOp)] for b, v in ops.items()}
+        self._in_place = {b: [op for op in v if not isinstance(op, DenseOp)] for b, v in ops.items()}
 
     def __call__(self, block: int, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
         return self._run(self.ops.get(block, ()), tensors)
 
     def in_place(self, block: int, tensors: list[torch.Tensor]) -> None:
         """The fold work that writes the block's own tensors (once, where it stays resident)."""
-        self._run([op for op in self.ops.get(block, ()) if not isinstance(op, DenseOp)], tensors)
+        self._run(self._in_place.get(block, ()), tensors)
 
     def dense(self, block: int, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
         """The dense weights to bind while the block computes (before each call, where resident)."""
-        return self._run([op for op in self.ops.get(block, ()) if isinstance(op, DenseOp)], tensors)
+        return self._run(self._dense.get(block, ()), tensors)
 
     def resident_work(self) -> ResidentWork:
         """How a resident block is folded: in place once, its dense weights before each call."""
@@ -65,18 +67,17 @@ class BlockFolder:
 
     def extra_bytes(self, block: int) -> int:
         """Device bytes a landing of `block` holds beyond its own: its dense weights."""
-        return sum(op.nbytes for op in self.ops.get(block, ()) if isinstance(op, DenseOp))
+        return sum(op.nbytes for op in self._dense.get(block, ()))
 
     @property
     def dense_blocks(self) -> frozenset[int]:
         """The blocks whose fold makes dense weights to bind (folded before each call where resident)."""
-        return frozenset(b for b in self.ops if self.extra_bytes(b))
+        return frozenset(b for b, ops in self._dense.items() if ops)
 
     @property
     def workspace_bytes(self) -> int:
         """Device bytes the largest dense fold needs for its temporaries (one at a time)."""
-        return max((op.numel * 4 * WORKSPACE_FLOATS for ops in self.ops.values() for op in ops
-                    if isinstance(op, DenseOp)), default=0)
+        return max((op.numel * 4 * WORKSPACE_FLOATS for ops in self._dense.values() for op in ops), default=0)
 
     def release(self) -> None:
         """Drop the LoRA pairs kept on the device (when the model leaves it)."""

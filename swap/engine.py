@@ -146,7 +146,6 @@ class BlockSwapEngine:
         if plan.num_blocks != self.num_blocks:
             raise ValueError(f"the plan is for {plan.num_blocks} blocks, the engine has {self.num_blocks}")
         keep = self.ram_homes(plan, ram_blocks)
-        resident_work = resident_work if on_land is not None else None
         if self.att is not None:
             a = self.att
             if (a.device, a.plan, a.pin_memory, a.on_land, a.ram_homes, a.compress, a.resident_work) == \

@@ -8,7 +8,7 @@ run's stats.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from .slot_ring import Slot, SlotRing
 from .sources import CodedSource, FileSource, RamSource
 from .stats import RunStats
 from .transfer import CopyStream
+
+if TYPE_CHECKING:
+    from .resident_folds import ResidentFolds
 
 
 OnLand = Callable[[int, list[torch.Tensor]], "dict[int, torch.Tensor] | None"]   # see BlockSwapEngine.attach
@@ -80,7 +83,7 @@ class Attachment:
         self.may_code = False       # resident blocks kept in RAM at detach are coded (coding.keep_coder)
         self.hooks: BlockHooks | None = None
         self.resident_work: ResidentWork | None = None   # on-land work split for resident blocks
-        self.resident_folds = None  # their hooks (swap/resident_folds.py)
+        self.resident_folds: ResidentFolds | None = None   # their hooks
         self.order = CallOrder(plan.streamed, learned)
         self.stats = self.new_stats()
 

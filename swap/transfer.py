@@ -135,15 +135,15 @@ class CopyStream:
         self._last_copy[stream] = done
         return done
 
-    def compute_wait(self, ready: "torch.cuda.Event | None", block: int | None = None) -> "torch.cuda.Event | None":
-        """Make the current (compute) stream wait for a copy, measuring the stall; returns the
-        compute stream's arrival (None: nothing waited for, or the CPU). `block`: the block about
-        to run, where the model runs nothing between a block and the next (None: it may); if the
-        last slot-free event recorded was block - 1's, that event is the arrival, no new one."""
+    def compute_wait(self, ready: "torch.cuda.Event | None", block: int | None = None) -> None:
+        """Make the current (compute) stream wait for a copy, measuring the stall from the compute
+        stream's arrival. `block`: the block about to run, where the model runs nothing between a
+        block and the next (None: it may); if the last slot-free event recorded was block - 1's,
+        that event is the arrival, no new one."""
         freed, self._freed = self._freed, None
         self._follows = block is not None and freed is not None and freed[0] == block - 1
         if ready is None:
-            return None
+            return
         stream = torch.cuda.current_stream(self.device)
         if self._follows:
             before = freed[1]
@@ -152,7 +152,6 @@ class CopyStream:
             before.record(stream)
         stream.wait_event(ready)
         self._waits.add((ready, before))
-        return before
 
     def landed(self, fn, *args, ready: "torch.cuda.Event | None" = None, sample: bool = True):
         """Run the on-land work `fn(*args)` once the block's bytes are in (`ready`) and return what
