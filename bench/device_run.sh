@@ -5,7 +5,7 @@
 #   run(carry=[".whl", ".comfyui-0.33-device"], command="bash bench/device_run.sh suite-033")
 # Parts: suite (all tests on ComfyUI 0.3.75, ~3 min), suite-033 (all tests on ComfyUI
 # 0.33.0, dynamic VRAM off), suite-033-dyn (the same with 0.33's dynamic VRAM started as
-# its main.py does, RINGSWAP_DYNAMIC_VRAM=1), gpu-gguf / gpu-gguf-033-dyn (the GGUF GPU tests on 0.3.75 / 0.33 dynamic), gpu / gpu-033 / gpu-033-dyn (only the tests
+# its main.py does, RINGSWAP_DYNAMIC_VRAM=1), gpu-gguf / gpu-gguf-033-dyn (the GGUF GPU tests and the Q8_0 kernel's on 0.3.75 / 0.33 dynamic), gpu / gpu-033 / gpu-033-dyn (only the tests
 # marked gpu, same three runtimes), dyn-bench (bench/dynamic_vram.py on 0.33, ~6 min), fold (bench/fold.py, ~1.5 min), kernels
 # (bench/fold_kernels.py, ~1 min), auto / auto-033-dyn / auto-fp8-033-dyn (bench/auto_window.py, bf16 or
 # scaled fp8, caps 24/16/12 GiB, ~6 min), stream-quant (stream.py, scaled fp8 + nvfp4, ~4 min),
@@ -71,7 +71,7 @@ part() {   # part NAME SECONDS COMFY DYN COMMAND...   (COMFY: 0.3.75 or 0.33; DY
   summary+=("$name: rc=$rc in $((SECONDS - t0)) s$([ $rc = 97 ] && echo ' (setup failed, see its log)')")
 }
 pytest=(python3 -m pytest -q -p no:cacheprovider tests/comfyui)
-gguf_gpu_tests=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui/test_gguf.py)
+gguf_gpu_tests=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui/test_gguf.py tests/comfyui/test_lora_kernels.py -k "gguf or q8_0")
 # the gpu parts: tests/engine and tests/comfyui in two sessions (each folder has its own conftest)
 gpu_tests='python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine; e=$?; python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui; c=$?; exit $((e || c))'
 compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s inside the part's limit
@@ -88,8 +88,8 @@ for p in "$@"; do
     gpu) part gpu 200 0.3.75 0 bash -c "$gpu_tests" ;;
     gpu-033) part gpu_033 150 0.33 0 bash -c "$gpu_tests" ;;
     gpu-033-dyn) part gpu_033_dyn 240 0.33 1 bash -c "$gpu_tests" ;;
-    gpu-gguf) part gpu_gguf 90 0.3.75 0 "${gguf_gpu_tests[@]}" ;;
-    gpu-gguf-033-dyn) part gpu_gguf_033_dyn 90 0.33 1 "${gguf_gpu_tests[@]}" ;;
+    gpu-gguf) part gpu_gguf 140 0.3.75 0 "${gguf_gpu_tests[@]}" ;;
+    gpu-gguf-033-dyn) part gpu_gguf_033_dyn 140 0.33 1 "${gguf_gpu_tests[@]}" ;;
     dyn-bench) part dyn_bench 470 0.33 "" python3 bench/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
     auto-033-dyn) part auto_033_dyn 420 0.33 1 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16_033dyn.json" ;;
     auto-fp8-033-dyn) part auto_fp8_033_dyn 330 0.33 1 python3 bench/auto_window.py --format scaled_fp8 \

@@ -4,7 +4,8 @@ the landed weight is dequantized by its codec into the dtype the model computes 
 pack's layer does every forward), patched with `comfy.lora.calculate_weight` as the pack
 patches it, and bound in its place until the block's slot or buffer is refilled: once per
 landing instead of once per forward of every layer. Plain LoRA pairs on CUDA are added with
-FoldOp's fused addmm_ (within one rounding of the pack's math). The quantized bytes are never written."""
+FoldOp's fused addmm_, or for Q8_0 (the codec's `type_name`) dequantized and added in one
+kernel (lora/kernels.py), within one rounding of the pack's math. The quantized bytes are never written."""
 from __future__ import annotations
 
 import math
@@ -13,6 +14,7 @@ import torch
 
 import comfy.lora
 
+from . import kernels
 from .fold_ops import FoldOp
 
 WORKSPACE_FLOATS = 4   # float32 temporaries of one weight while it is dequantized and patched
@@ -31,17 +33,32 @@ class DenseOp(FoldOp):
         super().__init__(key, patches)
         a = layout.attrs[attr]
         self.attr, self.codec, self.spec, self.entries = attr, a.codec, a.spec, a.entries
-        self.dtype = dtype
+        self.dtype, self.shape = dtype, tuple(shape)
         self.dequant_dtype = getattr(layer, "dequant_dtype", None)
+        self.q8_0 = getattr(self.codec, "type_name", lambda spec: None)(self.spec) == "Q8_0"
         patch_dtype = getattr(layer, "patch_dtype", None)
         self.patch_dtype = dtype if patch_dtype == "target" else patch_dtype
         self.numel = math.prod(shape)
         self.nbytes = self.numel * torch.empty(0, dtype=dtype).element_size()
 
     def __call__(self, tensors) -> torch.Tensor:
-        w = self.codec.dequantize(self.spec, [tensors[i] for i in self.entries], self.dtype, self.dequant_dtype)
+        parts = [tensors[i] for i in self.entries]
+        if self.q8_0 and self.patch_dtype is None:
+            w = self._q8_0_kernel(parts[0])
+            if w is not None:
+                return w
+        w = self.codec.dequantize(self.spec, parts, self.dtype, self.dequant_dtype)
         if self.patch_dtype is None and self.fused(w):   # plain LoRA pairs on CUDA: one addmm_ each
             return self.add_delta(w)
         if self.patch_dtype is None:
             return comfy.lora.calculate_weight(self.patches, w, self.key)
         return comfy.lora.calculate_weight(self.patches, w, self.key, self.patch_dtype)
+
+    def _q8_0_kernel(self, blocks: torch.Tensor) -> torch.Tensor | None:
+        """Q8_0 with plain LoRA pairs on CUDA: dequantized and patched in one kernel (the
+        pack's dequant dtype: float16 by default, "target" the model's), else None."""
+        pairs = self.kernel_pairs(blocks)
+        if pairs is None:
+            return None
+        mid = {None: torch.float16, "target": self.dtype}.get(self.dequant_dtype, self.dequant_dtype)
+        return kernels.dense_q8_0(blocks, self.shape, self.dtype, mid, pairs)

@@ -33,6 +33,10 @@ class GgmlCodec:
         """Whether a tensor of this spec holds quantized bytes (F32/F16 hold plain values)."""
         return bool(self.pack.is_quantized(self.join(spec, [torch.empty(0, dtype=torch.uint8)])))
 
+    def type_name(self, spec) -> str:
+        """The GGML quantization type's name ("Q8_0", "Q4_K", "F16", ...)."""
+        return getattr(spec[0], "name", str(spec[0]))
+
     def dequantize(self, spec, parts, dtype: torch.dtype, dequant_dtype=None) -> torch.Tensor:
         """The dense weight of the packed one, as the pack's layer computes it each forward
         (`dequantize_tensor`'s steps for a quantized type, on the plain bytes: the same

@@ -13,6 +13,7 @@ import nodes
 from conftest import COMFY, CUDA
 from ringswap.loaders.comfyui_adapter import run_plan
 from ringswap.loaders.comfyui_adapter.comfy_features import inference_dtype
+from ringswap.lora import kernels
 from ringswap.nodes.patch import RingSwapPatch
 from support.gguf_files import QTYPES, comfyui_gguf_pack, write_wan_gguf
 from support.lora_files import LINEARS, linear_shape
@@ -344,3 +345,5 @@ def test_gguf_on_cuda_bit_exact_and_lora_close(gguf_dir, qtype):
             assert (got - want).float().norm() <= 0.02 * (want - plain).float().norm(), (qtype, window, prefetch)
         assert model.ringswap_run.plan.inputs.dense_per_call == (window == BLOCKS), "held for 1 resident, per call for 4"
         comfy.model_management.unload_all_models()
+    if qtype == "Q8_0":
+        assert any(name == "q8_0" for name, _ in kernels._BUILT), "Q8_0 dequantized and patched in one kernel"

@@ -103,6 +103,44 @@ def test_add_pairs_equals_op_by_op(shape, ranks, ldtype):
     assert amax.item() == got.abs().amax().item()
 
 
+def q8_0_blocks(m, n, seed, offset=0):
+    """GGUF Q8_0 bytes of an [m, n] weight (random fp16 scales and int8 values), starting
+    `offset` bytes into their buffer, and the scales and values themselves."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    d = (torch.rand(m * n // 32, 1, device=DEV, generator=g) * 0.002).half()
+    q = torch.randint(-128, 128, (m * n // 32, 32), device=DEV, generator=g, dtype=torch.int8)
+    buf = torch.empty(m * n // 32 * 34 + offset, dtype=torch.uint8, device=DEV)
+    blocks = buf[offset:].view(m, n // 32 * 34)
+    blocks.view(-1, 34).copy_(torch.cat([d.view(torch.uint8), q.view(torch.uint8)], 1))
+    return blocks, d, q
+
+
+@pytest.mark.parametrize("shape,ranks,ldtype,offset", [((384, 640), (64,), torch.bfloat16, 0),
+                                                       ((300, 224), (16, 8), torch.float16, 1),
+                                                       ((5120, 13824), (64,), torch.bfloat16, 0)])
+@pytest.mark.parametrize("dtype,mid", [(torch.bfloat16, torch.float16), (torch.float16, torch.float16),
+                                       (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+def test_dense_q8_0_equals_the_packs_steps(shape, ranks, ldtype, offset, dtype, mid):
+    """Without a delta the kernel equals ComfyUI-GGUF's Q8_0 dequantize (d in the dequant
+    dtype times q, then to the model's dtype) bit for bit, rows at any byte offset; with one
+    it is that weight plus the float32 delta, rounded once (within one unit in the last place)."""
+    m, n = shape
+    blocks, d, q = q8_0_blocks(m, n, 5, offset)
+    dense = (d.to(mid) * q).to(dtype).reshape(m, n)   # dequantize_blocks_Q8_0, then .to(dtype)
+    for scale in (0.0, 0.8):
+        pairs = [(u, dn, scale) for u, dn, _ in make_pairs(m, n, ranks, ldtype, 9)]
+        got = kernels.dense_q8_0(blocks, (m, n), dtype, mid, kernels.Pairs(pairs, DEV))
+        assert got is not None and got.dtype == dtype and got.shape == (m, n)
+        if scale == 0.0:
+            assert torch.equal(got, dense)
+            continue
+        want = reference_add(dense.float(), pairs)
+        delta = (want - dense.float()).abs().max()
+        # one rounding of the sum, plus float32's summation order (far below the delta)
+        assert ((got.float() - want).abs() <= want.abs() * torch.finfo(dtype).eps + 1e-6 * delta).all()
+        assert (got.float() - dense.float()).norm() > 0.5 * (want - dense.float()).norm(), "the delta is there"
+
+
 def eager_nvfp4(w, scale=None):
     from comfy_kitchen.registry import registry
     from comfy_kitchen.tensor import QuantizedTensor
