@@ -255,7 +255,7 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_MID = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_MID = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}   # triton.language names
 
 
 def dense_q8_0(blocks: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, mid: torch.dtype,
