@@ -97,7 +97,7 @@ for p in "$@"; do
     auto) part auto 420 0.3.75 0 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16.json" ;;
     fold) part fold 150 "$bench_comfy" "" python3 bench/fold.py ;;
     fold-gguf) part fold_gguf 200 0.3.75 0 python3 bench/fold.py --formats gguf_q4_k gguf_q8_0 --tokens 7800 --steps 6 --profile ;;
-    kernels) part kernels 120 "$bench_comfy" "" python3 bench/fold_kernels.py ;;
+    kernels) part kernels 200 "$bench_comfy" "" python3 bench/fold_kernels.py ;;
     stream-quant) part stream_quant 330 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 nvfp4 \
                     --odirect-gb 0 --budget-s 300 --json "$OUT/stream_quant.json" ;;
     stream-fp8) part stream_fp8 240 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 --tokens 32760 \

@@ -1,6 +1,7 @@
 """Time lora/kernels.py's fused folds per Wan-14B block (10 Linears, rank-64 bf16 LoRA) for
 several tile shapes, first landing (two passes) and later ones (the kept amax), and check
-each fp8 type against the op-by-op fold (mismatch counts).
+each fp8 type against the op-by-op fold (mismatch counts); GGUF Q8_0's dense fold beside the
+ops it replaces (the pack's dequantize, to bf16, addmm_) and the pack's dequantize alone.
 No ComfyUI needed. Usage: python bench/fold_kernels.py [--reps 5]"""
 import argparse
 import importlib.util
@@ -16,7 +17,8 @@ spec.loader.exec_module(K)
 DEV = torch.device("cuda")
 SHAPES = [(5120, 5120)] * 8 + [(13824, 5120), (5120, 13824)]
 CONFIGS = {"fp8": [(64, 64, 4), (64, 128, 4), (128, 128, 4), (128, 64, 4), (32, 64, 4)],
-           "nvfp4": [(64, 64, 4), (128, 32, 4), (32, 64, 4), (64, 32, 4), (128, 64, 4)]}
+           "nvfp4": [(64, 64, 4), (128, 32, 4), (32, 64, 4), (64, 32, 4), (128, 64, 4)],
+           "q8_0": [(128, 128, 8), (64, 128, 4), (64, 256, 8), (128, 64, 4), (32, 128, 4), (64, 64, 4)]}
 
 
 def lora(m, n, g):
@@ -57,6 +59,23 @@ def check_fp8(qdtype, g):
         print(f"   [{i},{j}] w/scale {x[i, j].item():.6f}: kernel {gf[i, j].item()}, torch {wf[i, j].item()}")
 
 
+def q8_0_ops(weights, reps):
+    """What the Q8_0 dense fold does without the kernel, and the pack's dequantize alone (what
+    a block's forward pays without a LoRA), per Wan-14B block."""
+    def dequant(wt):
+        q8, (m, n) = wt["q8_0"][:2]
+        b = q8.reshape(-1, 34)
+        return (b[:, :2].view(torch.float16) * b[:, 2:].view(torch.int8)).reshape(m, n)   # dequantize_blocks_Q8_0
+
+    def ops():
+        for wt in weights:
+            (up, down, scale), = wt["lora"]
+            dequant(wt).to(torch.bfloat16).addmm_(up, down, alpha=scale)
+    print(f"q8_0 op by op (dequantize, to bf16, addmm_): {timed(ops, reps):.2f} ms per block; "
+          f"the pack's dequantize alone: {timed(lambda: [dequant(wt).to(torch.bfloat16) for wt in weights], reps):.2f} ms",
+          flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
@@ -74,7 +93,10 @@ def main():
         from comfy_kitchen.tensor import QuantizedTensor
         with registry.use_backend("eager"):
             nv = QuantizedTensor.from_float(w, "TensorCoreNVFP4Layout", scale=nv_scale)
-        weights.append({"fp8": ((w / s).to(torch.float8_e4m3fn), s.clone()),
+        d = (w.reshape(-1, 32).abs().amax(1, keepdim=True) / 127).half()
+        q8 = torch.cat([d.view(torch.uint8), (w.reshape(-1, 32) / d).round().to(torch.int8).view(torch.uint8)], 1)
+        weights.append({"q8_0": (q8.reshape(m, -1), (m, n), torch.bfloat16, torch.float16),
+                        "fp8": ((w / s).to(torch.float8_e4m3fn), s.clone()),
                         "nvfp4": (nv._qdata, nv._params.scale.float().clone(), nv._params.block_scale),
                         "lora": lora(m, n, g)})
         del w
@@ -90,7 +112,9 @@ def main():
                 for wt in weights:
                     if first:   # as the first landing: both passes (later ones keep its amax)
                         wt["pairs"].amax_kept = False
-                    if kind == "fp8":
+                    if kind == "q8_0":
+                        assert K.dense_q8_0(*wt["q8_0"], wt["pairs"]) is not None
+                    elif kind == "fp8":
                         assert K.fold_fp8_(*wt["fp8"], wt["pairs"], 1e-12)
                     else:
                         assert K.fold_nvfp4_(*wt["nvfp4"], wt["pairs"], 2688.0, 1e-12)
@@ -105,6 +129,7 @@ def main():
                 print(f"{kind} tile {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 K._FAILED.clear()
     K.WIDE_BR = 64
+    q8_0_ops(weights, a.reps)
     print("BEST " + " ".join(f"{k}={','.join(map(str, c))}" for k, (_, c) in best.items()), flush=True)
 
 

@@ -54,6 +54,13 @@ class DenseOp(FoldOp):
             return comfy.lora.calculate_weight(self.patches, w, self.key)
         return comfy.lora.calculate_weight(self.patches, w, self.key, self.patch_dtype)
 
+    def workspace_bytes(self, device: torch.device) -> int:
+        """Device bytes of this fold's temporaries: for Q8_0 with plain pairs on CUDA the kernel
+        needs none (its fallback, the pack's float16 dequantize, 2 a value), else float32 ones."""
+        if self.q8_0 and self.patch_dtype is None and self.pairs is not None and device.type in self.fused_devices:
+            return self.numel * 2
+        return self.numel * 4 * WORKSPACE_FLOATS
+
     def _q8_0_kernel(self, blocks: torch.Tensor) -> torch.Tensor | None:
         """Q8_0 with plain LoRA pairs on CUDA: dequantized and patched in one kernel (the
         pack's dequant dtype: float16 by default, "target" the model's), else None."""

@@ -22,7 +22,7 @@ import torch
 from ..swap.state import ResidentWork
 from .blocks import SwappedBlocks
 from .checks import attr_index, attr_shape, check_patches, effective_patches
-from .dense_fold import WORKSPACE_FLOATS, DenseOp, dense_codec
+from .dense_fold import DenseOp, dense_codec
 from .fold_ops import FoldOp, PlainOp, make_op
 
 log = logging.getLogger("ringswap.fold")
@@ -74,10 +74,9 @@ class BlockFolder:
         """The blocks whose fold makes dense weights to bind (folded before each call where resident)."""
         return frozenset(b for b, ops in self._dense.items() if ops)
 
-    @property
-    def workspace_bytes(self) -> int:
-        """Device bytes the largest dense fold needs for its temporaries (one at a time)."""
-        return max((op.numel * 4 * WORKSPACE_FLOATS for ops in self._dense.values() for op in ops), default=0)
+    def workspace_bytes(self, device: torch.device) -> int:
+        """Device bytes the largest dense fold needs for its temporaries on `device` (one at a time)."""
+        return max((op.workspace_bytes(device) for ops in self._dense.values() for op in ops), default=0)
 
     def release(self) -> None:
         """Drop the LoRA pairs kept on the device (when the model leaves it)."""

@@ -241,17 +241,21 @@ if triton is not None:
                      BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
         """GGUF Q8_0 rows (per 32 values: an fp16 scale d, then 32 int8 q) to the dense weight
         plus the pairs' delta. ComfyUI-GGUF's steps: d in MID, d * q rounded to MID, then to
-        the output dtype; the delta is added in float32 and rounded once."""
+        the output dtype; the delta is added in float32 and rounded once. A tile is loaded as
+        [BM, BN / 32] scales and [BM, BN / 32, 32] values (bytewise: rows need no alignment)."""
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 32 * 34) + (rn // 32 * 34)[None, :]
-        lo = tl.load(blk, mask=mask, other=0).to(tl.int32)   # bytewise: rows need no alignment
-        hi = tl.load(blk + 1, mask=mask, other=0).to(tl.int32)
+        nb = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
+        bmask = (rm[:, None] < M) & (nb[None, :] < N // 32)
+        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 32 * 34) + (nb * 34)[None, :]
+        lo = tl.load(blk, mask=bmask, other=0).to(tl.int32)
+        hi = tl.load(blk + 1, mask=bmask, other=0).to(tl.int32)
         d = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(MID).to(tl.float32)
-        q = tl.load(blk + 2 + (rn % 32)[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
-        w = (d * q.to(tl.float32)).to(MID).to(out_ptr.dtype.element_ty).to(tl.float32)   # d * q: exact in float32
+        q = tl.load(blk[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=bmask[:, :, None], other=0)
+        w = d[:, :, None] * q.to(tl.int8, bitcast=True).to(tl.float32)   # exact in float32
+        w = tl.reshape(w.to(MID).to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
         w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
         tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
