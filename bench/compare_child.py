@@ -247,6 +247,9 @@ def child(a) -> dict:
         row.update(rss_steady=common.rss_bytes(), rss_peak=sampler.peak, pinned=common.pinned_bytes(),
                    vram_peak=None if vram0 is None else sampler.vram_peak - vram0,
                    vram_torch_peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
+        if dev.type == "cuda":   # the caching allocator freeing its cache to retry (a device sync each)
+            mem = torch.cuda.memory_stats(dev)
+            row.update(alloc_retries=mem.get("num_alloc_retries", 0), device_allocs=mem.get("num_device_alloc", 0))
         sampler.peak = max(sampler.peak, rss_peak_before)
         engine = getattr(patcher, "swap_engine", None)
         if engine is not None and engine.plan is not None:
