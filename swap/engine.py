@@ -386,7 +386,7 @@ class BlockSwapEngine:
     def run_stats(self) -> RunStats:
         """This run's stats so far, with the device timings of the calls done (synchronises)."""
         att = self.att
-        att.stats.add_times(*att.copier.take_times())
+        att.stats.add_times(att.copier.take_times())
         if att.stats.gbps > 0 and att.memory == "pinned":
             self.link_bytes_per_s = att.stats.gbps * 1e9
         return att.stats

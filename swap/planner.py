@@ -44,6 +44,7 @@ class PlanInputs:
     tokens: int = 0                  # tokens of one model call (for the plan line; 0 = unknown)
     link_bytes_per_s: float = 0.0    # measured host-to-device copy rate (0 = not measured yet)
     compute_s: float = 0.0           # measured device time of one model call (0 = not measured yet)
+    land_s: float = 0.0              # measured on-land work (LoRA fold) of a streamed block after its copy
     conds_per_step: int = 1          # conds the sampler computes each step (cond + uncond: 2)
     conds_per_call: int = 1          # of those, computed together in one model call under this plan
     dense_bytes: tuple[int, ...] = ()   # each block's dense weights while it computes (a GGUF LoRA fold), or ()
@@ -126,7 +127,7 @@ class WindowPlan:
         if not self.timed:
             return 0.0
         i = self.inputs
-        return call_seconds(i.block_sizes, self.residency, i.compute_s, i.link_bytes_per_s)
+        return call_seconds(i.block_sizes, self.residency, i.compute_s, i.link_bytes_per_s, i.land_s)
 
     @property
     def step_cost(self) -> tuple[float, int]:
@@ -171,7 +172,8 @@ class WindowPlan:
                 if i.conds_per_step > 1 else "; 1 model call a step")
         if not r.streamed:
             return head + step + "; nothing streams"
-        copy = f"est. copy {self.copy_s:.2f} s" if self.copy_s else "copy rate not measured yet"
+        copy = (f"est. copy {self.copy_s:.2f} s" + (f" (then a LoRA fold of {i.land_s * 1e3:.1f} ms a block)"
+                                                  if i.land_s else "") if self.copy_s else "copy rate not measured yet")
         compute = (f"compute ~{i.compute_s:.2f} s" if i.compute_s else "compute not measured yet")
         verdict = "" if self.bound == "unknown" else f": {self.bound}"
         return (f"{head}{step}; streams {self.streamed_bytes / GB:.1f} GB per model call "
@@ -290,16 +292,16 @@ def _versus(pick: WindowPlan, other: WindowPlan) -> str:
 
 
 def replan_with_rates(plan: WindowPlan, compute_s: float, link_bytes_per_s: float, calls_left: int,
-                      place_s: Callable[[ResidencyPlan], float]) -> WindowPlan | None:
+                      place_s: Callable[[ResidencyPlan], float], land_s: float = 0.0) -> WindowPlan | None:
     """After a run's first model calls measured compute and link (a first prompt plans
     without them): the automatic plan those rates choose for the same room and conds a call,
     when it makes each call at least 2% faster (REPLAN_GAIN) and the `calls_left` calls
     save at least REPLAN_PAYBACK x `place_s(new residency)`, the seconds its blocks take to
-    place; else None."""
+    place; else None. `land_s`: the measured on-land work of a streamed block (a LoRA fold)."""
     if not plan.automatic or plan.timed or not plan.residency.streamed or calls_left < 1 \
             or compute_s <= 0 or link_bytes_per_s <= 0:
         return None
-    inputs = replace(plan.inputs, compute_s=compute_s, link_bytes_per_s=link_bytes_per_s)
+    inputs = replace(plan.inputs, compute_s=compute_s, link_bytes_per_s=link_bytes_per_s, land_s=land_s)
     now = replace(plan, inputs=inputs)   # the plan that ran, timed
     try:
         new = _plan_window(inputs)   # the dense policy of the plan attached (reattach keeps its work)

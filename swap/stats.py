@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .transfer import Times
 
 
 @dataclass
@@ -22,6 +26,8 @@ class RunStats:
     bytes_read: int = 0    # home=disk: bytes read from the file
     read_wait_s: float = 0.0   # home=disk: time the block loop waited for reads
     land_times: list = field(default_factory=list)   # device seconds of each streamed block's on-land (LoRA fold)
+    land_stalls: list = field(default_factory=list)  # on those sampled, the compute's wait for the fold past its copy
+    landings: int = 0      # landings that could be sampled
     calls: int = 0         # model calls (forwards of all blocks)
     unplanned: int = 0     # streamed blocks called before their copy was issued (fetched then)
     call_times: list = field(default_factory=list)   # device seconds of each model call
@@ -29,19 +35,21 @@ class RunStats:
     replans: list = field(default_factory=list)      # ((window, prefetch) from, to) by the first calls' rates
     activation_peak: int = 0   # bytes the first model call allocated beyond the weights (CUDA)
 
-    def add_times(self, copy_s: float, wait_s: float, land_times: list, call_times: list) -> None:
-        self.copy_s += copy_s
-        self.wait_s += wait_s
-        self.land_times += land_times
-        self.call_times += call_times
+    def add_times(self, t: "Times") -> None:
+        self.copy_s += t.copy_s
+        self.wait_s += t.wait_s
+        self.land_times += t.land_times
+        self.call_times += t.call_times
+        self.land_stalls += t.land_stalls
+        self.landings += t.landings
 
     def continued(self, fresh: "RunStats", after_oom: bool = True) -> "RunStats":
         """`fresh` (stats of a new plan mid-run: after running out of memory, or a re-plan by
         measured rates) with this run's counters carried over."""
         for name in ("copies", "bytes_copied", "copy_s", "wait_s", "forwards", "bytes_read", "read_wait_s",
-                     "calls", "unplanned", "activation_peak"):
+                     "calls", "unplanned", "activation_peak", "landings"):
             setattr(fresh, name, getattr(self, name))
-        fresh.land_times, fresh.call_times = self.land_times, self.call_times
+        fresh.land_times, fresh.call_times, fresh.land_stalls = self.land_times, self.call_times, self.land_stalls
         fresh.shrinks = self.shrinks + ([(self.window, fresh.window)] if after_oom else [])
         same = (self.window, self.prefetch) == (fresh.window, fresh.prefetch)   # e.g. only the RAM split changed
         fresh.replans = self.replans + ([] if after_oom or same else [((self.window, self.prefetch),
@@ -49,15 +57,21 @@ class RunStats:
         return fresh
 
     @property
+    def land_wait_s(self) -> float:
+        """Time the compute stream stood waiting for LoRA folds past their copies: the sampled
+        landings' mean wait times the landings that could be sampled."""
+        return statistics.fmean(self.land_stalls) * self.landings if self.land_stalls else 0.0
+
+    @property
     def compute_s(self) -> float:
-        """Mean device time of a model call, less the time it stood waiting for copies. The
-        run's first call (slower: allocator and kernel start-up) is left out where there are
-        more, with its mean share of the waits."""
+        """Mean device time of a model call, less the time it stood waiting for copies and
+        folds. The run's first call (slower: allocator and kernel start-up) is left out where
+        there are more, with its mean share of the waits."""
         n = len(self.call_times)
         if not n:
             return 0.0
         calls = self.call_times[1:] if n > 1 else self.call_times
-        return max(0.0, (sum(calls) - self.wait_s * len(calls) / n) / len(calls))
+        return max(0.0, (sum(calls) - (self.wait_s + self.land_wait_s) * len(calls) / n) / len(calls))
 
     @property
     def fold_s_per_block(self) -> float:
@@ -81,7 +95,8 @@ class RunStats:
                 f"copied {self.bytes_copied / 1e9:.2f} GB in {self.copies} copies at {self.gbps:.1f} GB/s; "
                 f"copy time {self.copy_s * 1e3:.0f} ms, {self.hidden_s * 1e3:.0f} ms hidden under compute "
                 f"({hidden:.0f}%), compute waited {self.wait_s * 1e3:.0f} ms"
-                + (f"; LoRA fold {1e3 * self.fold_s_per_block:.2f} ms per block (on its own stream, beside compute)"
+                + (f"; LoRA fold {1e3 * self.fold_s_per_block:.2f} ms per block (on its own stream, beside compute; "
+                   f"compute waited ~{self.land_wait_s * 1e3:.0f} ms for folds past their copies)"
                    if self.fold_s_per_block else "")
                 + (f"; {self.calls} model calls, {self.compute_s:.2f} s compute each" if self.call_times else "")
                 + (f"; {self.unplanned} out-of-order fetches" if self.unplanned else "")

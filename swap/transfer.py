@@ -11,7 +11,8 @@ end (for a copy the host issues after its own work, a staging copy or a read, th
 the time the host held it back: the rate blocks arrive at); a stall lasts from the compute
 stream's arrival to the copy's end. The arrival is the slot-free event of the block that
 ran just before where there is one (`follows`), else a mark of its own; a block that
-follows so may have its on-land work (LoRA fold) timed (one in LAND_SAMPLE). On-land work
+follows so may have its on-land work (LoRA fold) timed (one in LAND_SAMPLE), with the compute
+stream's stall for it past its copy (an event more on those). On-land work
 runs on a land stream of its own: a host wait inside it (ComfyUI-GGUF's dequantize makes a
 blocking small copy, which synchronises its stream) then waits for the fold's own work, not
 for the compute queued ahead of it. Finished events are folded into running totals as they
@@ -20,6 +21,7 @@ pile up, so a run holds a few, not one per copy.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -82,6 +84,19 @@ def _timing_event() -> "torch.cuda.Event":
     return torch.cuda.Event(enable_timing=True)
 
 
+@dataclass
+class Times:
+    """A run's measurements (CopyStream.take_times): seconds spent copying, seconds compute
+    waited for copies, each sampled on-land work (LoRA fold) and model call, and on the sampled
+    landings the compute's wait for the fold past its copy, of `landings` that could be sampled."""
+    copy_s: float
+    wait_s: float
+    land_times: list[float]
+    call_times: list[float]
+    land_stalls: list[float]
+    landings: int
+
+
 class CopyStream:
     def __init__(self, device: torch.device):
         self.device = device
@@ -92,11 +107,13 @@ class CopyStream:
         self._copies = Timings(total=True)
         self._waits = Timings(total=True)
         self._lands = Timings(total=False)    # sampled on-land (LoRA fold) times
+        self._land_stalls = Timings(total=False)   # on those, the compute stream's wait for the fold's end
         self._calls = Timings(total=False)    # each model call on the compute stream
         self._call_start = None
         self._last_copy: dict = {}            # each stream's latest end event (copy stream, coder's)
         self._streams = {self.stream, self.land_stream} if self.cuda else set()
         self._landings = 0                    # landings that followed a streamed block (the ones sampled)
+        self._landings_taken = 0
         self._freed: tuple | None = None      # (block, event): the last slot-free event on the compute stream
         self._follows = False                 # the last compute_wait started from it
 
@@ -182,11 +199,14 @@ class CopyStream:
             out = fn(*args)
             end = _timing_event() if timed else torch.cuda.Event()   # orders the compute after it
             end.record(land)
+        if start is not None:
+            stall_from = _timing_event()
+            stall_from.record(compute)
+            self._lands.add((end, start))
+            self._land_stalls.add((end, stall_from))
         compute.wait_event(end)
         for t in (out or {}).values():
             t.record_stream(compute)
-        if start is not None:
-            self._lands.add((end, start))
         return out
 
     def record_compute(self, block: int) -> "torch.cuda.Event | None":
@@ -220,14 +240,16 @@ class CopyStream:
                 stream.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
-    def take_times(self) -> tuple[float, float, list[float], list[float]]:
-        """Seconds spent copying, seconds compute waited for copies, the seconds of each
-        on-land work (LoRA folds) and of each model call since the last call. Synchronises
-        the device (once per run, outside the block loop)."""
+    def take_times(self) -> "Times":
+        """What was measured since the last call. Synchronises the device (once per run,
+        outside the block loop)."""
         self.synchronize()
         copy_s = self._copies.take()
         wait_s = self._waits.take() if self.cuda else copy_s
-        lands, calls = self._lands.take(), self._calls.take()
+        stalls = self._land_stalls.take()
+        times = Times(copy_s, wait_s, self._lands.take(), self._calls.take(), stalls,
+                      self._landings - self._landings_taken)
+        self._landings_taken = self._landings
         self._call_start = None
         self._last_copy = {}
-        return copy_s, wait_s, lands, calls
+        return times

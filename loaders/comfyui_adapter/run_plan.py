@@ -68,6 +68,7 @@ class Measured:
     """What an earlier run of one call shape (latent shape, conds a call) measured."""
     activation_peak: int = 0
     compute_s: float = 0.0
+    land_s: float = 0.0                # a streamed block's on-land work (LoRA fold), its median span
     ran: ResidencyPlan | None = None   # the plan that ran it (a model call or more, no shrink)
     free_after: int = 0                # device memory the model could have at that run's end (free_for)
 
@@ -210,6 +211,7 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
         window=settings.window if window is None else window, prefetch=settings.prefetch, device=str(device),
         tokens=conds * tokens(patcher.model.diffusion_model, request.noise_shape) if request is not None else 0,
         link_bytes_per_s=engine.link_bytes_per_s, compute_s=_compute_s(patcher, request, conds),
+        land_s=measured.land_s if measured is not None and folder is not None else 0.0,
         conds_per_step=per_step, conds_per_call=min(conds, per_step))
 
 
@@ -256,6 +258,8 @@ def record_run(patcher, stats) -> None:
     m.activation_peak = max(m.activation_peak, stats.activation_peak)
     if stats.compute_s:
         m.compute_s = stats.compute_s
+    if stats.land_times:
+        m.land_s = stats.fold_s_per_block
     att = patcher.swap_engine.att
     proven = att is not None and bool(stats.call_times) and not stats.shrinks
     m.ran, m.free_after = (att.plan, free_for(patcher, att.device)) if proven else (None, 0)
@@ -347,7 +351,7 @@ def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None
         split = ram_room.split_for(engine, residency, budget)
         return split.ram_blocks if split is not None else None
     new = replan_with_rates(plan, compute_s, link, calls_left,
-                            lambda r: place_seconds(engine, r, homes(r), link))
+                            lambda r: place_seconds(engine, r, homes(r), link), stats.fold_s_per_block)
     if new is None:
         return None
     t0, held = time.perf_counter(), engine.device_bytes()

@@ -248,6 +248,37 @@ def test_auto_window_copies_further_ahead_when_that_is_faster():
     assert "prefetch 2 (set 1): by the measured rates" in plan.line()
 
 
+# Wan-14B Q8_0 blocks (0.373 GB): 2026-12-04 (sixth), 0.33 dynamic, cfg 1, 12 GiB, halved link, a
+# rank-64 LoRA: 8 resident + 32 streamed at prefetch 1 ran 0.60 s a call, "LoRA fold 5.30 ms per block"
+Q8 = (373_000_000,) * 40
+
+
+def test_call_seconds_waits_for_each_fold_after_its_copy():
+    """A streamed block computes once its copy is in and then its on-land work (a LoRA fold on
+    the land stream) is done: where copies arrive just in time, each fold adds to the call;
+    one more copy in flight hides them again."""
+    from ringswap.swap.timing import call_seconds
+    just_in_time = ResidencyPlan.make(40, 9, 1)
+    assert call_seconds(Q8, just_in_time, 0.55, 27.6e9) == pytest.approx(0.55, abs=0.002)
+    assert call_seconds(Q8, just_in_time, 0.55, 27.6e9, 0.0053) == pytest.approx(0.590, abs=0.003)
+    assert call_seconds(Q8, ResidencyPlan.make(40, 6, 2), 0.55, 27.6e9, 0.0053) == pytest.approx(0.55, abs=0.002)
+    assert call_seconds(Q8, ResidencyPlan.make(40, 40, 1), 0.55, 27.6e9, 0.0053) == 0.55
+
+
+def test_auto_window_copies_further_ahead_where_folds_stall():
+    """Measured folds: the auto plan copies a block further ahead where prefetch 1 would wait
+    for folds past just-in-time copies; unmeasured (0), it keeps the larger window."""
+    room = 9 * 373_000_000 + 2 * 700_000_000 + 500_000_000
+    base = PlanInputs(block_sizes=Q8, nonblock_bytes=500_000_000, free_bytes=room, prefetch=1, compute_s=0.55,
+                      link_bytes_per_s=27.6e9)
+    unfolded = plan_window(base)
+    assert unfolded.prefetch == 1 and unfolded.call_s == pytest.approx(0.55, abs=0.002)
+    folded = plan_window(replace(base, land_s=0.0053))
+    assert folded.prefetch == 2 and folded.call_s == pytest.approx(0.55, abs=0.002), folded.line()
+    assert replace(unfolded, inputs=folded.inputs).call_s > 1.03 * folded.call_s   # prefetch 1 would stall
+    assert "then a LoRA fold of 5.3 ms a block" in folded.line()
+
+
 def test_compute_time_leaves_out_the_runs_first_call():
     from ringswap.swap.stats import RunStats
     st = RunStats(blocks=40, resident=7, streamed=33, ring_slots=2, window=8, prefetch=1, memory="pinned")
@@ -255,6 +286,9 @@ def test_compute_time_leaves_out_the_runs_first_call():
     assert st.compute_s == pytest.approx(0.92)
     st.call_times, st.wait_s = [1.30], 0.1
     assert st.compute_s == pytest.approx(1.20)
+    st.land_stalls, st.landings = [0.002, 0.004], 30   # folds past their copies: ~0.09 s, sampled
+    assert st.land_wait_s == pytest.approx(0.09)
+    assert st.compute_s == pytest.approx(1.30 - 0.19)
 
 
 def test_replan_with_rates_takes_the_timed_plan_where_it_pays_back():

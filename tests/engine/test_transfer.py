@@ -31,11 +31,12 @@ def test_a_long_run_holds_few_timings_and_loses_none():
     copier.mark_call(start=True)
     copier.mark_call(start=False)
     held = copier._copies.sum + sum(m[0] for m in copier._copies.held)
-    copy_s, wait_s, lands, calls = copier.take_times()
-    assert copy_s == pytest.approx(held, rel=1e-12) and wait_s == copy_s > 0
+    t = copier.take_times()
+    assert t.copy_s == pytest.approx(held, rel=1e-12) and t.wait_s == t.copy_s > 0
     assert ran == list(range(2 * transfer.LAND_SAMPLE + 1)) + list(range(2 * transfer.LAND_SAMPLE))   # all ran
-    assert len(lands) == 3 and len(calls) == 1   # one landing in LAND_SAMPLE of those that follow is timed
-    assert copier.take_times() == (0.0, 0.0, [], [])   # taken: the next run starts from nothing
+    assert len(t.land_times) == 3 and len(t.call_times) == 1   # one landing in LAND_SAMPLE of those that follow
+    assert t.landings == 2 * transfer.LAND_SAMPLE + 1 and t.land_stalls == []   # no stream to stall on the CPU
+    assert copier.take_times() == transfer.Times(0.0, 0.0, [], [], [], 0)   # taken: the next run starts from nothing
 
 
 @pytest.mark.gpu
@@ -57,7 +58,7 @@ def test_cuda_copies_timed_from_the_stream_order():
         copier.copy(dst, src, None)
     copier.synchronize()
     wall = time.perf_counter() - t0
-    copy_s = copier.take_times()[0]
+    copy_s = copier.take_times().copy_s
     assert 0.8 * wall <= copy_s <= 1.02 * wall, (copy_s, wall)
     per_copy = copy_s / 8
     for _ in range(4):   # each copy waits for ~50 ms of compute; the compute then waits for it
@@ -65,7 +66,8 @@ def test_cuda_copies_timed_from_the_stream_order():
             a = a @ a / 64
         ready = copier.copy(dst, src, copier.record_compute(0))
         copier.compute_wait(ready)
-    copy_s, wait_s, _, _ = copier.take_times()
+    t = copier.take_times()
+    copy_s, wait_s = t.copy_s, t.wait_s
     assert 0.8 * 4 * per_copy <= copy_s <= 1.25 * 4 * per_copy, (copy_s, per_copy)
     assert 0.8 * copy_s <= wait_s <= 1.05 * copy_s, (wait_s, copy_s)
     for k in range(4):   # the same, the stall timed from the slot-free event of the block before
@@ -73,9 +75,34 @@ def test_cuda_copies_timed_from_the_stream_order():
             a = a @ a / 64
         ready = copier.copy(dst, src, copier.record_compute(k))
         copier.compute_wait(ready, k + 1)
-    copy_s, wait_s, _, _ = copier.take_times()
+    t = copier.take_times()
+    copy_s, wait_s = t.copy_s, t.wait_s
     assert 0.8 * 4 * per_copy <= copy_s <= 1.25 * 4 * per_copy, (copy_s, per_copy)
     assert 0.8 * copy_s <= wait_s <= 1.05 * copy_s, (wait_s, copy_s)
+
+
+@pytest.mark.gpu
+def test_cuda_fold_stall_past_the_copy_is_measured():
+    """A sampled landing whose on-land work is long while the compute stream is idle: the
+    compute's wait for it is measured, about the fold's own span."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    copier = CopyStream(dev)
+    a = torch.randn(4096, 4096, device=dev)
+
+    def fold():
+        b = a
+        for _ in range(20):
+            b = b @ a / 64
+        return {0: b}
+    for k in range(2 * transfer.LAND_SAMPLE + 1):
+        copier.record_compute(k - 1)
+        copier.compute_wait(None, k)
+        copier.landed(fold)
+    t = copier.take_times()
+    assert len(t.land_stalls) == len(t.land_times) == 3 and t.landings == 2 * transfer.LAND_SAMPLE + 1
+    assert all(0.8 * span <= stall <= 1.05 * span + 1e-4 for stall, span in zip(t.land_stalls, t.land_times)), t
 
 
 @pytest.mark.gpu
