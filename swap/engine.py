@@ -131,8 +131,8 @@ class BlockSwapEngine:
                progress: Callable[[int, int], None] | None = None, compress: bool = False,
                may_code: bool = False, resident_work: ResidentWork | None = None) -> ResidencyPlan:
         """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
-        `on_land(block, tensors)` runs on the compute stream when a block lands, before it
-        computes (a LoRA fold); it may return {attr index: tensor} to bind instead, held until
+        `on_land(block, tensors)` (a LoRA fold) runs on the land stream once a block's bytes are
+        in, before it computes; it may return {attr index: tensor} to bind instead, held until
         the slot is refilled. `ram_blocks` (home=auto): the streamed blocks held in RAM.
         `progress(done, total)` follows file reads. The same settings again only take `owner`.
         `compress`: coded RAM homes; `may_code`: resident blocks kept at detach are coded.
