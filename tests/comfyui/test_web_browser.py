@@ -123,6 +123,8 @@ def test_widget_plan_live_run_and_pixels(server, budget):
         wait_for(page, "!!(window.app && window.app.graph && window.__ringswap?.ready)", 90, "the frontend and the extension")
         with open(saved, encoding="utf-8") as fh:
             page.evaluate("wf => app.loadApiJson(wf, 'workflow_api.json')", json.load(fh))
+        # the frontend may add the nodes after loadApiJson returns (seen once on a busy machine)
+        wait_for(page, "!!app.graph.getNodeById(2)?.widgets", 60, "the loaded workflow's nodes")
         # a budget of a few MB is below the widget's display precision: typed in as a value
         page.evaluate(f"app.graph.getNodeById(2).widgets.find(w => w.name === 'vram_budget_gb').value = {gb}")
         # before running: the plan for the small latent
