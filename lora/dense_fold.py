@@ -35,7 +35,7 @@ class DenseOp(FoldOp):
         self.attr, self.codec, self.spec, self.entries = attr, a.codec, a.spec, a.entries
         self.dtype, self.shape = dtype, tuple(shape)
         self.dequant_dtype = getattr(layer, "dequant_dtype", None)
-        self.q8_0 = getattr(self.codec, "type_name", lambda spec: None)(self.spec) == "Q8_0"
+        self.q8_0 = hasattr(self.codec, "type_name") and self.codec.type_name(self.spec) == "Q8_0"
         patch_dtype = getattr(layer, "patch_dtype", None)
         self.patch_dtype = dtype if patch_dtype == "target" else patch_dtype
         self.numel = math.prod(shape)

@@ -38,8 +38,9 @@ class TensorCodec(Protocol):
         """The packed tensor around `parts` (same order as split)."""
 
     # Optional, for packed tensors a layer computes from in a dense form (a LoRA fold then
-    # binds that form instead, lora/dense_fold.py): `quantized(spec) -> bool` and
-    # `dequantize(spec, parts, dtype, dequant_dtype) -> Tensor`.
+    # binds that form instead, lora/dense_fold.py): `quantized(spec) -> bool`,
+    # `dequantize(spec, parts, dtype, dequant_dtype) -> Tensor` and `type_name(spec) -> str`
+    # (e.g. "Q8_0": the forms a fused kernel folds).
 
 
 _CODECS: dict[type, TensorCodec] = {}
