@@ -150,9 +150,9 @@ for p in "$@"; do
                 comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 ;;
     gguf-12h-lora) compare gguf_12h_lora 560 --formats gguf_q8_0 --tokens 7800 --cfgs 1 5 --links halved \
                      --lora-rank 64 --configs rs-patch-0.33-dyn@12 comfy-0.33-dyn@12 ;;
-    gguf-12h-c1) compare gguf_12h_c1 300 --formats gguf_q8_0 --tokens 7800 --cfgs 1 --links halved --rerun \
+    gguf-12h-c1) compare gguf_12h_c1 290 --formats gguf_q8_0 --tokens 7800 --cfgs 1 --links halved --rerun \
                    --rerun-steps 3 --configs rs-patch-0.33-dyn@12
-                 compare gguf_12h_c1_lora 300 --formats gguf_q8_0 --tokens 7800 --cfgs 1 --links halved --rerun \
+                 compare gguf_12h_c1_lora 250 --formats gguf_q8_0 --tokens 7800 --cfgs 1 --links halved --rerun \
                    --rerun-steps 3 --lora-rank 64 --configs rs-patch-0.33-dyn@12 ;;
     compress-12h) compare compress_off_12h 270 --tokens 7800 --cfgs 1 5 --links halved --caps 12 --configs rs-loader-0.3.75
                   compare compress_on_12h 300 --tokens 7800 --cfgs 1 5 --links halved --caps 12 --configs rs-loader-0.3.75 \
