@@ -35,16 +35,21 @@ class DenseOp(FoldOp):
         self.attr, self.codec, self.spec, self.entries = attr, a.codec, a.spec, a.entries
         self.dtype, self.shape = dtype, tuple(shape)
         self.dequant_dtype = getattr(layer, "dequant_dtype", None)
-        self.q8_0 = hasattr(self.codec, "type_name") and self.codec.type_name(self.spec) == "Q8_0"
         patch_dtype = getattr(layer, "patch_dtype", None)
         self.patch_dtype = dtype if patch_dtype == "target" else patch_dtype
+        # Q8_0 with plain LoRA pairs at the pack's patch dtype: one kernel (on CUDA with Triton),
+        # through the pack's dequant dtype (float16 by default, "target": the model's)
+        self.q8_0_kernel = (hasattr(self.codec, "type_name") and self.codec.type_name(self.spec) == "Q8_0"
+                            and self.patch_dtype is None and self.pairs is not None)
+        self.q8_0_mid = {None: torch.float16, "target": dtype}.get(self.dequant_dtype, self.dequant_dtype)
         self.numel = math.prod(shape)
         self.nbytes = self.numel * torch.empty(0, dtype=dtype).element_size()
 
     def __call__(self, tensors) -> torch.Tensor:
         parts = [tensors[i] for i in self.entries]
-        if self.q8_0 and self.patch_dtype is None:
-            w = self._q8_0_kernel(parts[0])
+        pairs = self.kernel_pairs(parts[0]) if self.q8_0_kernel else None
+        if pairs is not None:
+            w = kernels.dense_q8_0(parts[0], self.shape, self.dtype, self.q8_0_mid, pairs)
             if w is not None:
                 return w
         w = self.codec.dequantize(self.spec, parts, self.dtype, self.dequant_dtype)
@@ -57,15 +62,6 @@ class DenseOp(FoldOp):
     def workspace_bytes(self, device: torch.device) -> int:
         """Device bytes of this fold's temporaries: for Q8_0 with plain pairs on CUDA the kernel
         needs none (its fallback, the pack's float16 dequantize, 2 a value), else float32 ones."""
-        if self.q8_0 and self.patch_dtype is None and self.pairs is not None and device.type in self.fused_devices:
+        if self.q8_0_kernel and device.type in self.fused_devices:
             return self.numel * 2
         return self.numel * 4 * WORKSPACE_FLOATS
-
-    def _q8_0_kernel(self, blocks: torch.Tensor) -> torch.Tensor | None:
-        """Q8_0 with plain LoRA pairs on CUDA: dequantized and patched in one kernel (the
-        pack's dequant dtype: float16 by default, "target" the model's), else None."""
-        pairs = self.kernel_pairs(blocks)
-        if pairs is None:
-            return None
-        mid = {None: torch.float16, "target": self.dtype}.get(self.dequant_dtype, self.dequant_dtype)
-        return kernels.dense_q8_0(blocks, self.shape, self.dtype, mid, pairs)

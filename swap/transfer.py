@@ -112,8 +112,7 @@ class CopyStream:
         self._call_start = None
         self._last_copy: dict = {}            # each stream's latest end event (copy stream, coder's)
         self._streams = {self.stream, self.land_stream} if self.cuda else set()
-        self._landings = 0                    # landings that followed a streamed block (the ones sampled)
-        self._landings_taken = 0
+        self._landings = 0                    # landings that followed a streamed block since the last take (the ones sampled)
         self._freed: tuple | None = None      # (block, event): the last slot-free event on the compute stream
         self._follows = False                 # the last compute_wait started from it
 
@@ -247,9 +246,8 @@ class CopyStream:
         copy_s = self._copies.take()
         wait_s = self._waits.take() if self.cuda else copy_s
         stalls = self._land_stalls.take()
-        times = Times(copy_s, wait_s, self._lands.take(), self._calls.take(), stalls,
-                      self._landings - self._landings_taken)
-        self._landings_taken = self._landings
+        times = Times(copy_s, wait_s, self._lands.take(), self._calls.take(), stalls, self._landings)
+        self._landings = 0
         self._call_start = None
         self._last_copy = {}
         return times
