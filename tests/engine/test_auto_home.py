@@ -1,0 +1,229 @@
+"""home=auto in the swap engine, on CPU (one GPU test): homes held only where given, read back
+ahead while placing, failures that leave nothing behind, resident blocks kept in RAM, file
+mappings given back."""
+import pytest
+import torch
+
+from ringswap.swap import BlockSwapEngine, ResidencyPlan
+
+from toy_blocks import N, FileLike, make_blocks, run
+
+X = torch.randn(4, 32)
+
+
+def test_resident_blocks_read_from_the_file_are_read_ahead_while_placing():
+    """Placing resident blocks that have no RAM home (home=auto reading them back) keeps the
+    disk busy: the next blocks' reads run in the free staging buffers while one is copied,
+    not one read at a time; the result is exact."""
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks, delay=0.02)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    engine.attach("cpu", ResidencyPlan.make(N, N, 1))   # every block resident: all read while placing
+    assert engine.read_back[0] == N * engine.states[0].layout.nbytes
+    assert src.most_in_flight == 2, src.most_in_flight
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+
+
+@pytest.mark.parametrize("share", ["none", "alternate", "all"])
+def test_auto_home_holds_only_the_streamed_blocks_it_is_given(share):
+    """home=auto: the streamed blocks named RAM homes live in the pool, the other streamed
+    blocks come from the file every time, resident blocks keep no host copy; every window
+    and prefetch is bit-exact, and a plan that pushes resident blocks off the device reads
+    them back from the file (counted in read_back)."""
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks, delay=0.001)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    for window in (N, 4, 1, 3):
+        for prefetch in range(0, 3):
+            plan = ResidencyPlan.make(N, window, prefetch)
+            ram = {"none": [], "alternate": list(plan.streamed[::2]), "all": None}[share]
+            reads = src.reads   # before attach: it primes the ring (reads counted when they land)
+            engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, window, prefetch), ram_blocks=ram)
+            want_ram = set(plan.streamed) if ram is None else set(ram)
+            assert set(engine.pool.blocks) == want_ram, (window, prefetch)
+            assert engine.att.ram_homes == want_ram
+            for _ in range(3):
+                assert torch.equal(run(blocks, X), ref), (share, window, prefetch)
+            stats = engine.end_run()
+            file_streamed = len(set(plan.streamed) - want_ram)
+            if stats is not None:
+                assert stats.bytes_read <= (src.reads - reads) * engine.states[0].layout.nbytes   # + read-ahead
+                assert (stats.bytes_read > 0) == (file_streamed > 0)
+                if plan.streamed:
+                    assert engine.memory == ("disk" if file_streamed and not want_ram else "staged")
+            engine.detach()
+            for i in range(N):   # detached: only the RAM homes are bound to host memory
+                on_host = engine.states[i].binding.current()[0].numel() > 0
+                assert on_host == (i in want_ram), i
+    # the plan shrinks: blocks resident before come back from the file (or RAM where they have a home)
+    engine.release_home()
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, N, 1))
+    assert engine.read_back[0] == N * engine.states[0].layout.nbytes and not engine.pool.blocks
+    engine.detach()
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), ram_blocks=[])
+    assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+    seen = []
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), progress=lambda done, total: seen.append((done, total)))
+    nbytes = (2 + 5) * engine.states[0].layout.nbytes   # streamed blocks now get RAM homes: read back once
+    assert engine.read_back[0] == nbytes
+    assert seen and seen[-1] == (nbytes, nbytes) and all(t == nbytes for _, t in seen), seen
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen), "progress went back"
+    engine.detach()
+    seen.clear()
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), progress=lambda done, total: seen.append((done, total)))
+    assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes and seen[-1][0] == seen[-1][1]
+    engine.detach()
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1))
+    seen.clear()
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), progress=lambda done, total: seen.append((done, total)))
+    assert not seen, "the same attachment again reads nothing and reports nothing"
+    engine.detach()
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), ram_blocks=[])   # same plan, homes dropped: only the resident read
+    assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes and not engine.pool.blocks
+    engine.detach()
+
+
+def test_auto_home_read_failure_leaves_nothing_half_loaded():
+    """A read that fails while attach reads homes back: the error comes through, no RAM home
+    is left behind, and the next attach with a good file is exact."""
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    src.broken = True
+    with pytest.raises(OSError, match="file ended early"):
+        engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
+    assert not engine.pool.blocks and engine.att is None
+    src.broken = False
+    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+
+
+@pytest.mark.parametrize("room_blocks", [0, 1, N])
+def test_auto_home_keeps_resident_blocks_in_ram_as_far_as_given(room_blocks):
+    """A home=auto model taken off the device with room for resident blocks keeps them in RAM
+    (copied from the device, as many whole blocks as fit): the next attach places them without
+    reading the file, drops those homes again once placed, and is exact. On-land work (a LoRA
+    fold changes the device copy) keeps nothing."""
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
+    plan = ResidencyPlan.make(N, 4, 1)
+    size = engine.states[0].layout.nbytes
+    engine.attach("cpu", plan)
+    engine.detach(capture_bytes=room_blocks * size)
+    kept = sorted(set(engine.pool.blocks) - set(plan.streamed))
+    assert kept == list(plan.resident[:min(room_blocks, len(plan.resident))])
+    if room_blocks == N:   # every block has a home again: the detached model computes from RAM
+        assert torch.equal(run(blocks, X), ref)
+    reads = src.reads
+    engine.attach("cpu", plan)
+    assert src.reads - reads == len(plan.resident) - len(kept)
+    assert sorted(engine.pool.blocks) == sorted(plan.streamed)
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+    engine.attach("cpu", plan, on_land=lambda block, tensors: None)
+    engine.detach(capture_bytes=N * size)
+    assert sorted(engine.pool.blocks) == sorted(plan.streamed)
+
+
+@pytest.mark.gpu
+def test_auto_home_pins_its_streamed_homes_while_placing_on_cuda():
+    """home=auto on CUDA: a detached model holds its streamed homes unpinned; attaching again
+    page-locks them (on a thread of its own while the resident blocks are read and placed)
+    and the run is exact against the same blocks wholly on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    x = X.to(dev)
+    want = run(make_blocks().to(dev), x)
+    blocks = make_blocks()
+    engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home="auto", disk_workers=2)
+    plan = ResidencyPlan.make(N, 3, 1)
+    streamed = sum(engine.states[i].layout.nbytes for i in plan.streamed)
+    for _ in range(2):
+        engine.attach(dev, plan)
+        assert engine.memory == "pinned" and engine.pool.pinned_bytes >= streamed
+        assert torch.equal(run(blocks, x), want)
+        engine.detach()
+        assert engine.pool.pinned_bytes == 0 and sorted(engine.pool.blocks) == sorted(plan.streamed)
+
+
+def _rss_file() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+    except (OSError, StopIteration):
+        return None
+
+
+@pytest.mark.parametrize("page_out", [True, False])
+def test_capture_from_a_file_mapping_gives_its_pages_back(tmp_path, monkeypatch, page_out):
+    """Blocks whose weights are views of a memory-mapped file (as ComfyUI-GGUF builds them):
+    capturing their homes copies them exactly, and on Linux the file's pages leave the RSS as
+    each block is copied (no file mapping plus a second copy). Without page-out (other systems:
+    FileMaps with no ranges) the capture is as exact."""
+    import os
+    import warnings
+
+    import numpy as np
+    from ringswap.swap import page_out as po
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    big = 2 << 20   # each block's weight padded to 2 MiB of file, so pages show in RSS
+    path = tmp_path / "weights.bin"
+    with open(path, "wb") as f:
+        for b in blocks:
+            f.write(b.lin.weight.detach().numpy().tobytes().ljust(big, b"\0"))
+        f.flush()
+        os.fsync(f.fileno())   # clean pages, as a model file's are (dirty ones are not paged out)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    with warnings.catch_warnings():   # torch: the array is not writable (the pack silences this too)
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        views = [torch.from_numpy(mm[i * big:(i + 1) * big]) for i in range(N)]
+    for b, v in zip(blocks, views):   # the weight and the rest of its 2 MiB, as a buffer, from the map
+        b.lin.weight = torch.nn.Parameter(v[:32 * 32 * 4].view(torch.float32).view(32, 32), requires_grad=False)
+        b.register_buffer("pad", v[32 * 32 * 4:])
+        float(v.float().sum())   # every page of the file read once
+    touched = _rss_file()
+    engine = BlockSwapEngine(list(blocks), home="ram")
+    maps = po.FileMaps() if page_out else po.FileMaps(ranges=[])
+    from ringswap.swap import home
+    monkeypatch.setattr(home, "FileMaps", lambda: maps)   # the capture's file mappings: these
+    engine.attach("cpu", ResidencyPlan.make(N, 2, 1))
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+    assert torch.equal(run(blocks, X), ref)
+    after = _rss_file()
+    if page_out and maps.ranges and touched is not None and maps._madvise is not None and _kernel_pages_out(tmp_path):
+        assert touched - after >= 0.8 * N * big, (touched, after)   # the copied blocks' file pages left
+
+
+def _kernel_pages_out(tmp_path) -> bool:
+    """Does this kernel drop a file mapping's pages on MADV_PAGEOUT (Linux 5.4+; a sandbox's
+    kernel may accept the call and keep them)? Probed on a file of its own."""
+    import os
+    import warnings
+
+    import numpy as np
+    from ringswap.swap.page_out import FileMaps
+    path = tmp_path / "probe.bin"
+    with open(path, "wb") as f:
+        f.write(b"\1" * (8 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    before = _rss_file()
+    int(mm[::4096].sum())
+    touched = _rss_file()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        FileMaps().page_out([torch.from_numpy(mm)])
+    return touched - _rss_file() >= 4 << 20 and touched > before

@@ -1,0 +1,139 @@
+"""On-land work (a LoRA fold) in the swap engine, on CPU: once per landing, replacements bound
+instead, resident blocks folded before each call."""
+import pytest
+import torch
+
+from ringswap.swap import BlockSwapEngine, ResidencyPlan
+from ringswap.swap.state import ResidentWork
+from ringswap.swap.transfer import LAND_SAMPLE
+
+from toy_blocks import N, FileLike, make_blocks, run
+
+X = torch.randn(4, 32)
+
+
+@pytest.mark.parametrize("home", ["ram", "disk"])
+def test_on_land_runs_once_per_landing_before_the_block_computes(home):
+    """The on-land work (LoRA fold) runs once per landing of a streamed block, after its bytes
+    land and before the block computes; resident blocks get it once at attach; a block that
+    stays in its slot is not folded again. Here it doubles the Linear's bias: the output must
+    equal the doubled model's at every window, every call."""
+    blocks = make_blocks()
+    doubled = make_blocks()
+    for b in doubled:
+        b.lin.bias.data.mul_(2)
+    want = run(doubled, X)
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
+    bias = next(a.entries[0] for a in engine.states[0].layout.attrs if (a.path, a.name) == ("lin", "bias"))
+    events = []
+
+    def on_land(block, tensors):
+        assert tensors[bias].data_ptr() != 0
+        tensors[bias].mul_(2)
+        events.append(("fold", block))
+
+    probes = [b.register_forward_hook(lambda m, a, o, i=i: events.append(("run", i))) for i, b in enumerate(blocks)]
+    try:
+        for window, prefetch in ((1, 0), (2, 1), (3, 2), (N, 1)):
+            events.clear()
+            plan = engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, window, prefetch), on_land=on_land)
+            assert sorted(b for e, b in events if e == "fold") == sorted(plan.resident)
+            for _ in range(3):
+                assert torch.equal(run(blocks, X), want), (home, window, prefetch)
+            stats = engine.end_run()
+            folds = [b for e, b in events if e == "fold" and b in plan.streamed]
+            for b in plan.streamed:
+                runs = [k for k, e in enumerate(events) if e == ("run", b)]
+                lands = [k for k, e in enumerate(events) if e == ("fold", b)]
+                assert all(any(f < r for f in lands) for r in runs), (b, events)
+            if stats is not None and folds:   # one landing in LAND_SAMPLE has its fold timed
+                assert 1 <= len(stats.land_times) <= len(folds) // LAND_SAMPLE + 1
+            engine.detach()
+    finally:
+        for p in probes:
+            p.remove()
+
+
+def doubled_weight_engine(home: str):
+    """Toy blocks on an engine reading them from a file-like source, the output of the same
+    blocks with `lin.weight` doubled, and the attribute index and entry of `lin.weight`."""
+    blocks, doubled = make_blocks(), make_blocks()
+    for b in doubled:
+        b.lin.weight.data.mul_(2)
+    engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home=home, disk_workers=2)
+    k = next(i for i, a in enumerate(engine.states[0].layout.attrs) if (a.path, a.name) == ("lin", "weight"))
+    return blocks, run(doubled, X), engine, k, engine.states[0].layout.attrs[k].entries[0]
+
+
+@pytest.mark.parametrize("home", ["ram", "disk"])
+def test_on_land_replacements_are_bound_instead_and_dropped_at_refill(home):
+    """on_land may hand back another tensor for an attribute (a packed weight's dense form):
+    the block computes from it, its own landed bytes stay unchanged, and a streamed block's
+    replacement lives only while its slot holds that block (released when the slot is refilled)."""
+    blocks, want, engine, k, entry = doubled_weight_engine(home)
+    made: list = []
+
+    def on_land(block, tensors):
+        dense = tensors[entry] * 2
+        made.append(torch.utils.weak.WeakTensorKeyDictionary())   # a weak view on each replacement
+        made[-1][dense] = block
+        return {k: dense}
+
+    for window, prefetch in ((1, 0), (2, 1), (N, 1)):
+        made.clear()
+        plan = engine.attach("cpu", ResidencyPlan.make(N, window, prefetch), on_land=on_land)
+        for _ in range(2):
+            assert torch.equal(run(blocks, X), want), (home, window, prefetch)
+        live = sum(len(m) for m in made)
+        assert live <= len(plan.resident) + plan.ring_slots, (live, window, prefetch)
+        engine.end_run()
+        engine.detach()
+        assert sum(len(m) for m in made) == 0, "replacements go with the attachment"
+    if home == "ram":
+        assert torch.equal(run(blocks, X), run(make_blocks(), X)), "the homes were never written"
+
+
+@pytest.mark.parametrize("home", ["ram", "disk"])
+def test_resident_blocks_named_fold_per_call_hold_their_dense_weights_only_while_they_compute(home):
+    """resident_work (a GGUF LoRA fold): a resident block gets its in-place work once, at
+    placing, keeps its own weights bound between calls and gets its dense replacement before
+    each call, bound only while it computes; streamed blocks fold once per landing as before;
+    outputs stay the doubled model's over several calls and re-plans, and the reattach carries
+    the split over."""
+    blocks, want, engine, k, entry = doubled_weight_engine(home)
+    folds: list[int] = []
+    placed: list[int] = []
+    seen: list = []
+
+    def on_land(block, tensors):
+        folds.append(block)
+        return {k: tensors[entry] * 2}
+
+    probes = [b.lin.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, m.weight.data_ptr())))
+              for i, b in enumerate(blocks)]
+    try:
+        work = ResidentWork(frozenset(range(N)), lambda block, tensors: placed.append(block), on_land)
+        plan = engine.attach("cpu", ResidencyPlan.make(N, 3, 1), on_land=on_land, resident_work=work)
+        assert sorted(placed) == sorted(plan.resident), "their in-place work runs once, at placing"
+        own = {i: blocks[i].lin.weight.data_ptr() for i in plan.resident}
+        assert folds == [], "resident blocks are not folded at placing"
+        for call in range(3):
+            folds.clear()
+            assert torch.equal(run(blocks, X), want), call
+            assert sorted(f for f in folds if f in plan.resident) == sorted(plan.resident), "once per call"
+        assert engine.att.resident_folds.packed == {}, "dense weights dropped after each block"
+        for i in plan.resident:
+            assert blocks[i].lin.weight.data_ptr() == own[i], "its own weight bound between calls"
+            assert all(p != own[i] for j, p in seen if j == i), "it computed from the dense weight"
+        smaller = engine.reattach(plan.reshaped(2, 1), after_oom=False)
+        assert engine.att.resident_work is work
+        assert torch.equal(run(blocks, X), want)
+        assert engine.att.resident_folds is not None and len(smaller.resident) >= 1
+        engine.end_run()
+        engine.detach()
+        if home == "ram":
+            assert torch.equal(run(blocks, X), run(make_blocks(), X)), "nothing folded stays behind"
+    finally:
+        for p in probes:
+            p.remove()
