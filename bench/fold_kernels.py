@@ -1,24 +1,28 @@
 """Time lora/kernels.py's fused folds per Wan-14B block (10 Linears, rank-64 bf16 LoRA) for
 several tile shapes, first landing (two passes) and later ones (the kept amax), and check
-each fp8 type against the op-by-op fold (mismatch counts); GGUF Q8_0's dense fold beside the
-ops it replaces (the pack's dequantize, to bf16, addmm_) and the pack's dequantize alone.
-No ComfyUI needed. Usage: python bench/fold_kernels.py [--reps 5]"""
+each fp8 type against the op-by-op fold (mismatch counts); GGUF Q8_0's and Q4_K's dense folds
+(lora/gguf_kernels.py) beside the ops they replace (the pack's dequantize, to bf16, addmm_), the
+pack's dequantize alone and the kernels without pairs. Imports no ComfyUI module (the pack's
+dequant.py is read from ComfyUI's custom_nodes where linked). Usage: python bench/fold_kernels.py [--reps 5]"""
 import argparse
 import importlib.util
 import os
+import sys
 import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location("kernels", os.path.join(HERE, "..", "lora", "kernels.py"))
-K = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(K)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the repo as `ringswap` on sys.path)
+from ringswap.lora import gguf_kernels as G  # noqa: E402
+from ringswap.lora import kernels as K  # noqa: E402
+
 DEV = torch.device("cuda")
 SHAPES = [(5120, 5120)] * 8 + [(13824, 5120), (5120, 13824)]
 CONFIGS = {"fp8": [(64, 64, 4), (64, 128, 4), (128, 128, 4), (128, 64, 4), (32, 64, 4)],
            "nvfp4": [(64, 64, 4), (128, 32, 4), (32, 64, 4), (64, 32, 4), (128, 64, 4)],
-           "q8_0": [(128, 128, 8), (64, 128, 4), (64, 256, 8), (128, 64, 4), (32, 128, 4), (64, 64, 4)]}
+           "q8_0": [(128, 128, 8), (64, 128, 4), (64, 256, 8), (128, 64, 4), (32, 128, 4), (64, 64, 4)],
+           "q4_k": [(64, 256, 8), (32, 256, 4), (128, 256, 8), (64, 512, 8), (16, 256, 4)]}
 
 
 def lora(m, n, g):
@@ -59,21 +63,48 @@ def check_fp8(qdtype, g):
         print(f"   [{i},{j}] w/scale {x[i, j].item():.6f}: kernel {gf[i, j].item()}, torch {wf[i, j].item()}")
 
 
-def q8_0_ops(weights, reps):
-    """What the Q8_0 dense fold does without the kernel, and the pack's dequantize alone (what
-    a block's forward pays without a LoRA), per Wan-14B block."""
-    def dequant(wt):
-        q8, (m, n) = wt["q8_0"][:2]
-        b = q8.reshape(-1, 34)
-        return (b[:, :2].view(torch.float16) * b[:, 2:].view(torch.int8)).reshape(m, n)   # dequantize_blocks_Q8_0
+def pack_dequant():
+    """ComfyUI-GGUF's dequant module from ComfyUI's custom_nodes, or None where not linked."""
+    path = os.path.join(common.COMFY, "custom_nodes", "ComfyUI-GGUF", "dequant.py")
+    if not os.path.isfile(path):
+        return None
+    spec = importlib.util.spec_from_file_location("gguf_pack_dequant", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
-    def ops():
-        for wt in weights:
-            (up, down, scale), = wt["lora"]
-            dequant(wt).to(torch.bfloat16).addmm_(up, down, alpha=scale)
-    print(f"q8_0 op by op (dequantize, to bf16, addmm_): {timed(ops, reps):.2f} ms per block; "
-          f"the pack's dequantize alone: {timed(lambda: [dequant(wt).to(torch.bfloat16) for wt in weights], reps):.2f} ms",
-          flush=True)
+
+def gguf_ops(weights, reps):
+    """What the GGUF dense folds do without their kernels, the pack's dequantize alone (what a
+    block's forward pays without a LoRA) and the kernels without pairs, per Wan-14B block."""
+    dq = pack_dequant()
+    if dq is None:
+        print("no ComfyUI-GGUF in custom_nodes: the pack's ops not timed", flush=True)
+        return
+    import gguf
+    for kind in ("Q8_0", "Q4_K"):
+        qt = getattr(gguf.GGMLQuantizationType, kind)
+
+        def dequant(wt):
+            blocks, shape = wt[kind.lower()][:2]
+            return dq.dequantize(blocks, qt, shape).to(torch.bfloat16)
+
+        def ops():
+            for wt in weights:
+                (up, down, scale), = wt["lora"]
+                dequant(wt).addmm_(up, down, alpha=scale)
+        print(f"{kind} op by op (the pack's dequantize, to bf16, addmm_): {timed(ops, reps):.2f} ms per block; "
+              f"the pack's dequantize alone: {timed(lambda: [dequant(wt) for wt in weights], reps):.2f} ms; "
+              f"the kernel without pairs: {timed(lambda: [G.dense(kind, *wt[kind.lower()], None) for wt in weights], reps):.2f} ms",
+              flush=True)
+
+
+def q4_k_bytes(m, n, g):
+    """Random Q4_K bytes of an [m, n] weight with small finite d and dmin."""
+    blocks = torch.randint(0, 256, (m * n // 256, 144), device=DEV, generator=g, dtype=torch.uint8)
+    for at in (0, 2):
+        blocks[:, at:at + 2] = (torch.rand(blocks.shape[0], 1, device=DEV, generator=g) * 5e-4).half().view(torch.uint8)
+    return blocks.reshape(m, -1)
 
 
 def main():
@@ -96,6 +127,7 @@ def main():
         d = (w.reshape(-1, 32).abs().amax(1, keepdim=True) / 127).half()
         q8 = torch.cat([d.view(torch.uint8), (w.reshape(-1, 32) / d).round().to(torch.int8).view(torch.uint8)], 1)
         weights.append({"q8_0": (q8.reshape(m, -1), (m, n), torch.bfloat16, torch.float16),
+                        "q4_k": (q4_k_bytes(m, n, g), (m, n), torch.bfloat16, torch.float16),
                         "fp8": ((w / s).to(torch.float8_e4m3fn), s.clone()),
                         "nvfp4": (nv._qdata, nv._params.scale.float().clone(), nv._params.block_scale),
                         "lora": lora(m, n, g)})
@@ -112,8 +144,8 @@ def main():
                 for wt in weights:
                     if first:   # as the first landing: both passes (later ones keep its amax)
                         wt["pairs"].amax_kept = False
-                    if kind == "q8_0":
-                        assert K.dense_q8_0(*wt["q8_0"], wt["pairs"]) is not None
+                    if kind in ("q8_0", "q4_k"):
+                        assert G.dense(kind.upper(), *wt[kind], wt["pairs"]) is not None
                     elif kind == "fp8":
                         assert K.fold_fp8_(*wt["fp8"], wt["pairs"], 1e-12)
                     else:
@@ -129,7 +161,7 @@ def main():
                 print(f"{kind} tile {cfg}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 K._FAILED.clear()
     K.WIDE_BR = 64
-    q8_0_ops(weights, a.reps)
+    gguf_ops(weights, a.reps)
     print("BEST " + " ".join(f"{k}={','.join(map(str, c))}" for k, (_, c) in best.items()), flush=True)
 
 

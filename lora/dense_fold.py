@@ -4,8 +4,9 @@ the landed weight is dequantized by its codec into the dtype the model computes 
 pack's layer does every forward), patched with `comfy.lora.calculate_weight` as the pack
 patches it, and bound in its place until the block's slot or buffer is refilled: once per
 landing instead of once per forward of every layer. Plain LoRA pairs on CUDA are added with
-FoldOp's fused addmm_, or for Q8_0 (the codec's `type_name`) dequantized and added in one
-kernel (lora/kernels.py), within one rounding of the pack's math. The quantized bytes are never written."""
+FoldOp's fused addmm_, or for Q8_0 and Q4_K (the codec's `type_name`) dequantized and added in
+one kernel (lora/gguf_kernels.py), within one rounding of the pack's math. The quantized bytes
+are never written."""
 from __future__ import annotations
 
 import math
@@ -14,10 +15,13 @@ import torch
 
 import comfy.lora
 
-from . import kernels
+from . import gguf_kernels
 from .fold_ops import FoldOp
 
 WORKSPACE_FLOATS = 4   # float32 temporaries of one weight while it is dequantized and patched
+# the types with a kernel, and the peak bytes a value of the pack's dequantize beyond the dense
+# weight (measured on the CPU: 2.1 and 3.5), which the kernel's fallback needs
+FALLBACK_BYTES = {"Q8_0": 2, "Q4_K": 4}
 
 
 def dense_codec(attr):
@@ -37,19 +41,19 @@ class DenseOp(FoldOp):
         self.dequant_dtype = getattr(layer, "dequant_dtype", None)
         patch_dtype = getattr(layer, "patch_dtype", None)
         self.patch_dtype = dtype if patch_dtype == "target" else patch_dtype
-        # Q8_0 with plain LoRA pairs at the pack's patch dtype: one kernel (on CUDA with Triton),
-        # through the pack's dequant dtype (float16 by default, "target": the model's)
-        self.q8_0_kernel = (hasattr(self.codec, "type_name") and self.codec.type_name(self.spec) == "Q8_0"
-                            and self.patch_dtype is None and self.pairs is not None)
-        self.q8_0_mid = {None: torch.float16, "target": dtype}.get(self.dequant_dtype, self.dequant_dtype)
+        # a type with a kernel (Q8_0, Q4_K), plain LoRA pairs at the pack's patch dtype: one kernel (on
+        # CUDA with Triton), through the pack's dequant dtype (float16 by default, "target": the model's)
+        self.type_name = self.codec.type_name(self.spec) if hasattr(self.codec, "type_name") else None
+        self.kernel = self.patch_dtype is None and self.pairs is not None and self.type_name in FALLBACK_BYTES
+        self.kernel_mid = {None: torch.float16, "target": dtype}.get(self.dequant_dtype, self.dequant_dtype)
         self.numel = math.prod(shape)
         self.nbytes = self.numel * torch.empty(0, dtype=dtype).element_size()
 
     def __call__(self, tensors) -> torch.Tensor:
         parts = [tensors[i] for i in self.entries]
-        pairs = self.kernel_pairs(parts[0]) if self.q8_0_kernel else None
+        pairs = self.kernel_pairs(parts[0]) if self.kernel else None
         if pairs is not None:
-            w = kernels.dense_q8_0(parts[0], self.shape, self.dtype, self.q8_0_mid, pairs)
+            w = gguf_kernels.dense(self.type_name, parts[0], self.shape, self.dtype, self.kernel_mid, pairs)
             if w is not None:
                 return w
         w = self.codec.dequantize(self.spec, parts, self.dtype, self.dequant_dtype)
@@ -60,8 +64,8 @@ class DenseOp(FoldOp):
         return comfy.lora.calculate_weight(self.patches, w, self.key, self.patch_dtype)
 
     def workspace_bytes(self, device: torch.device) -> int:
-        """Device bytes of this fold's temporaries: for Q8_0 with plain pairs on CUDA the kernel
-        needs none (its fallback, the pack's float16 dequantize, 2 a value), else float32 ones."""
-        if self.q8_0_kernel and device.type in self.fused_devices:
-            return self.numel * 2
+        """Device bytes of this fold's temporaries: where a kernel folds it on CUDA it needs none
+        (planned: its fallback's, the pack's dequantize and an addmm_), else float32 ones."""
+        if self.kernel and device.type in self.fused_devices:
+            return self.numel * FALLBACK_BYTES[self.type_name]
         return self.numel * 4 * WORKSPACE_FLOATS

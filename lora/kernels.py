@@ -10,8 +10,7 @@ float32 passes over the block (bench/fold.py measures what that costs), so:
   the first fold's amax and run only the second pass;
 - `add_pairs_` adds the pairs to a float32 weight in place and returns its amax (other
   comfy_kitchen layouts, between their dequantize and quantize);
-- `dense_q8_0` dequantizes GGUF Q8_0 blocks as ComfyUI-GGUF does (same roundings) and adds
-  the pairs, writing the dense weight once: the pack's ops read and write it four times.
+- GGUF's dense folds are in lora/gguf_kernels.py.
 Math: products of bf16 (or fp16) LoRA factors are exact in float32 and summed in float32,
 as ComfyUI's float32 `mm` does, in another order; float32 factors use Triton's tf32x3.
 Division and fp8 rounding are to nearest even, subnormals included, as torch (CPU) and
@@ -38,7 +37,8 @@ _FAILED: set = set()   # (kernel, device) pairs that failed to build or run
 _BUILT: set = set()    # (kernel, device) pairs that ran: a later failure is a real error
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}   # mantissa bits, min exponent
 WIDE_BR = 64   # ranks per dot for 16-bit factors whose ranks allow it (32 otherwise)
-TILES = {"fp8": (64, 64, 4), "add": (128, 128, 8), "nvfp4": (64, 64, 4), "q8_0": (128, 128, 8)}   # rows, columns, warps (bench/fold_kernels.py)
+TILES = {"fp8": (64, 64, 4), "add": (128, 128, 8), "nvfp4": (64, 64, 4), "q8_0": (128, 128, 8),
+         "q4_k": (64, 256, 8)}   # rows, columns, warps (bench/fold_kernels.py)
 
 
 def enabled(device: torch.device) -> bool:
@@ -234,51 +234,6 @@ if triton is not None:
             tl.atomic_max(scratch_ptr + slot, tl.max(tl.max(tl.abs(w), axis=1), axis=0))
             if first:
                 tl.store(scratch_ptr + 2, gs)
-
-
-    @triton.jit
-    def _q8_0_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
-        """GGUF Q8_0 rows (per 32 values: an fp16 scale d, then 32 int8 q) to the dense weight
-        plus the pairs' delta. ComfyUI-GGUF's steps: d in MID, d * q rounded to MID, then to
-        the output dtype; the delta is added in float32 and rounded once. A tile is loaded as
-        [BM, BN / 32] scales and [BM, BN / 32, 32] values (bytewise: rows need no alignment)."""
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        nb = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
-        bmask = (rm[:, None] < M) & (nb[None, :] < N // 32)
-        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 32 * 34) + (nb * 34)[None, :]
-        lo = tl.load(blk, mask=bmask, other=0).to(tl.int32)
-        hi = tl.load(blk + 1, mask=bmask, other=0).to(tl.int32)
-        d = (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(MID).to(tl.float32)
-        q = tl.load(blk[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=bmask[:, :, None], other=0)
-        w = d[:, :, None] * q.to(tl.int8, bitcast=True).to(tl.float32)   # exact in float32
-        w = tl.reshape(w.to(MID).to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
-        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_MID = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}   # triton.language names
-
-
-def dense_q8_0(blocks: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, mid: torch.dtype,
-               pairs: Pairs) -> torch.Tensor | None:
-    """The dense [M, N] weight in `dtype` of GGUF Q8_0 bytes `blocks` (uint8, M * N / 32 * 34),
-    dequantized through `mid` (ComfyUI-GGUF's dequant dtype: float16 by default), plus the
-    pairs' delta; None where the kernel cannot run."""
-    m, n = shape if len(shape) == 2 else (0, 0)
-    if (blocks.dtype != torch.uint8 or n % 32 or blocks.numel() != m * n // 32 * 34 or mid not in _MID
-            or dtype not in _MID or pairs.up.shape[0] != m or pairs.down.shape[1] != n
-            or not blocks.is_contiguous() or not _usable("q8_0", blocks.view(m, -1), None)):
-        return None
-    out = torch.empty(m, n, dtype=dtype, device=blocks.device)
-    bm, bn, warps = TILES["q8_0"]
-    ran = _launch("q8_0", blocks, _q8_0_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)),
-                  (blocks, out, pairs.up, pairs.down, pairs.scales, m, n), ({},),
-                  dict(MID=getattr(tl, _MID[mid]), RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec,
-                       num_warps=warps))
-    return out if ran else None
 
 
 def _usable(name: str, w: torch.Tensor, pairs: Pairs | None) -> bool:

@@ -1,11 +1,16 @@
 """lora/kernels.py on CUDA: the fused folds against the same math done op by op in float32
 (TF32 off), on fresh random data, odd shapes, several pairs, every LoRA dtype and fp8 type."""
+import sys
+
+import gguf
 import pytest
 import torch
 
-from ringswap.lora import kernels
+from conftest import COMFY
+from ringswap.lora import gguf_kernels, kernels
 from ringswap.lora.fold_ops import MIN_SCALE, NVFP4_MAX, KitchenOp, ScaledFp8Op, kitchen_from_float
 from support.fp8_close import assert_fp8_close
+from support.gguf_files import comfyui_gguf_pack
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -103,34 +108,52 @@ def test_add_pairs_equals_op_by_op(shape, ranks, ldtype):
     assert amax.item() == got.abs().amax().item()
 
 
-def q8_0_blocks(m, n, seed, offset=0):
-    """GGUF Q8_0 bytes of an [m, n] weight (random fp16 scales and int8 values), starting
-    `offset` bytes into their buffer, and the scales and values themselves."""
+def gguf_blocks(qtype, m, n, seed, offset=0):
+    """GGUF bytes of an [m, n] weight of `qtype` (random bytes, the fp16 scales random finite
+    values of both signs), starting `offset` bytes into their buffer."""
+    values, nbytes = gguf_kernels.ROW_BYTES[qtype]
     g = torch.Generator(device=DEV).manual_seed(seed)
-    d = (torch.rand(m * n // 32, 1, device=DEV, generator=g) * 0.002).half()
-    q = torch.randint(-128, 128, (m * n // 32, 32), device=DEV, generator=g, dtype=torch.int8)
-    buf = torch.empty(m * n // 32 * 34 + offset, dtype=torch.uint8, device=DEV)
-    blocks = buf[offset:].view(m, n // 32 * 34)
-    blocks.view(-1, 34).copy_(torch.cat([d.view(torch.uint8), q.view(torch.uint8)], 1))
-    return blocks, d, q
+    buf = torch.randint(0, 256, (m * n // values * nbytes + offset,), device=DEV, generator=g, dtype=torch.uint8)
+    blocks = buf[offset:].view(-1, nbytes)
+    for at in (0, 2) if qtype == "Q4_K" else (0,):   # d (and Q4_K's dmin)
+        scale = (torch.rand(blocks.shape[0], 1, device=DEV, generator=g) - 0.5) * 0.004
+        blocks[:, at:at + 2] = scale.half().view(torch.uint8)
+    return buf[offset:].view(m, -1)
 
 
-@pytest.mark.parametrize("shape,ranks,ldtype,offset", [((384, 640), (64,), torch.bfloat16, 0),
-                                                       ((300, 224), (16, 8), torch.float16, 1),
-                                                       ((5120, 13824), (64,), torch.bfloat16, 0)])
+def pack_dequantize(blocks, qtype, shape, mid, dtype):
+    """ComfyUI-GGUF's own dequantize (the linked pack's dequant.py), then to `dtype`, as its
+    layers compute a weight (`mid`: its dequant dtype; float16 is what None gives)."""
+    pack = comfyui_gguf_pack(COMFY)
+    if pack is None:
+        pytest.skip("ComfyUI-GGUF is not linked into custom_nodes")
+    dequant = sys.modules[pack.__name__ + ".dequant"]
+    qt = getattr(gguf.GGMLQuantizationType, qtype)
+    return dequant.dequantize(blocks.clone(), qt, shape, dtype=None if mid == torch.float16 else mid).to(dtype)
+
+
+GGUF_CASES = [("Q8_0", (384, 640), (64,), torch.bfloat16, 0), ("Q8_0", (300, 224), (16, 8), torch.float16, 1),
+              ("Q8_0", (5120, 13824), (64,), torch.bfloat16, 0), ("Q4_K", (384, 768), (64,), torch.bfloat16, 0),
+              ("Q4_K", (300, 512), (16, 8), torch.float16, 3), ("Q4_K", (5120, 13824), (64,), torch.bfloat16, 0)]
+
+
+@pytest.mark.parametrize("qtype,shape,ranks,ldtype,offset", GGUF_CASES)
 @pytest.mark.parametrize("dtype,mid", [(torch.bfloat16, torch.float16), (torch.float16, torch.float16),
                                        (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
-def test_dense_q8_0_equals_the_packs_steps(shape, ranks, ldtype, offset, dtype, mid):
-    """Without a delta the kernel equals ComfyUI-GGUF's Q8_0 dequantize (d in the dequant
-    dtype times q, then to the model's dtype) bit for bit, rows at any byte offset; with one
-    it is that weight plus the float32 delta, rounded once (within one unit in the last place)."""
+def test_dense_gguf_equals_the_packs_dequantize(qtype, shape, ranks, ldtype, offset, dtype, mid):
+    """Without pairs the kernel equals ComfyUI-GGUF's dequantize (each step in the dequant dtype,
+    then to the model's dtype) bit for bit, rows at any byte offset; with pairs it is that
+    weight plus the float32 delta, rounded once (within one unit in the last place)."""
     m, n = shape
-    blocks, d, q = q8_0_blocks(m, n, 5, offset)
-    dense = (d.to(mid) * q).to(dtype).reshape(m, n)   # dequantize_blocks_Q8_0, then .to(dtype)
+    blocks = gguf_blocks(qtype, m, n, 5, offset)
+    dense = pack_dequantize(blocks, qtype, (m, n), mid, dtype)
+    assert dense.isfinite().all()
+    got = gguf_kernels.dense(qtype, blocks, (m, n), dtype, mid, None)
+    assert got is not None and got.dtype == dtype and got.shape == (m, n)
+    assert torch.equal(got, dense)
     for scale in (0.0, 0.8):
         pairs = [(u, dn, scale) for u, dn, _ in make_pairs(m, n, ranks, ldtype, 9)]
-        got = kernels.dense_q8_0(blocks, (m, n), dtype, mid, kernels.Pairs(pairs, DEV))
-        assert got is not None and got.dtype == dtype and got.shape == (m, n)
+        got = gguf_kernels.dense(qtype, blocks, (m, n), dtype, mid, kernels.Pairs(pairs, DEV))
         if scale == 0.0:
             assert torch.equal(got, dense)
             continue

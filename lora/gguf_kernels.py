@@ -1,0 +1,120 @@
+"""GGUF weights to the dense weight a layer computes from, plus LoRA pairs, in one Triton kernel.
+
+Why our own kernels: ComfyUI-GGUF dequantizes op by op (Q8_0: four passes over the dense
+weight; Q4_K: a dozen launches and a blocking host-to-device copy per weight), and nothing
+adds low-rank products on the way. These do the pack's steps with its roundings (each op in
+the dequant dtype, rounded as torch rounds it, then to the model's dtype; bit for bit without
+pairs) and add the pairs' float32 delta (lora/kernels.py `_add_lora`), rounded once.
+Where a kernel cannot build or run the caller is told (None) and dequantizes op by op.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .kernels import TILES, Pairs, _launch, _usable, triton
+
+DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}   # triton.language names
+ROW_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144)}   # values and bytes of one GGML block
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from .kernels import _add_lora
+
+    @triton.jit
+    def _f16_at(ptr, mask):
+        """The float16 stored little-endian at byte pointers `ptr` (any alignment), as float32."""
+        lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
+        return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _q8_0_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        """Q8_0 rows (per 32 values: an fp16 scale d, then 32 int8 q). The pack's steps: d in
+        MID, d * q rounded to MID, then to the output dtype. A tile is loaded as [BM, BN / 32]
+        scales and [BM, BN / 32, 32] values (bytewise: rows need no alignment)."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nb = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
+        bmask = (rm[:, None] < M) & (nb[None, :] < N // 32)
+        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 32 * 34) + (nb * 34)[None, :]
+        d = _f16_at(blk, bmask).to(MID).to(tl.float32)
+        q = tl.load(blk[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=bmask[:, :, None], other=0)
+        w = d[:, :, None] * q.to(tl.int8, bitcast=True).to(tl.float32)   # exact in float32
+        w = tl.reshape(w.to(MID).to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
+        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _q4_k_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        """Q4_K rows (per 256 values: fp16 d and dmin, 12 bytes of 6-bit scales and mins for its
+        eight 32-value groups, 128 bytes of 4-bit q: groups 2c and 2c + 1 in the low and high
+        nibbles of bytes 32c..32c + 31). The pack's steps (dequantize_blocks_Q4_K): d and dmin in
+        MID, d * scale and dmin * min rounded to MID, (d * scale) * q rounded, minus dmin * min
+        rounded, then to the output dtype. Each product is exact in float32 and float32 holds
+        twice MID's precision and more, so one rounding from float32 is torch's rounding."""
+        G: tl.constexpr = BN // 32   # 32-value groups in a tile's row
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        grp = tl.program_id(1) * G + tl.arange(0, G)
+        g = grp % 8
+        gmask = (rm[:, None] < M) & (grp[None, :] < N // 32)
+        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 256 * 144) + ((grp // 8) * 144)[None, :]
+        d = _f16_at(blk, gmask).to(MID).to(tl.float32)
+        dmin = _f16_at(blk + 2, gmask).to(MID).to(tl.float32)
+        b_g = tl.load(blk + 4 + g[None, :], mask=gmask, other=0).to(tl.int32)         # get_scale_min's
+        b_g4 = tl.load(blk + 8 + g[None, :], mask=gmask, other=0).to(tl.int32)        # three byte rows
+        b_lo = tl.load(blk + 4 + (g % 4)[None, :], mask=gmask, other=0).to(tl.int32)
+        low = g[None, :] < 4
+        sc = tl.where(low, b_g & 63, (b_g4 & 15) | ((b_lo >> 2) & 48))
+        mn = tl.where(low, b_g4 & 63, (b_g4 >> 4) | ((b_g >> 2) & 48))
+        dsc = (d * sc.to(tl.float32)).to(MID).to(tl.float32)
+        dm = (dmin * mn.to(tl.float32)).to(MID).to(tl.float32)
+        qb = tl.load(blk[:, :, None] + 16 + ((g // 2) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :],
+                     mask=gmask[:, :, None], other=0).to(tl.int32)
+        q = (qb >> ((g % 2) * 4)[None, :, None]) & 15
+        w = (dsc[:, :, None] * q.to(tl.float32)).to(MID).to(tl.float32)
+        w = (w - dm[:, :, None]).to(MID)
+        w = tl.reshape(w.to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
+        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+    KERNELS = {"Q8_0": ("q8_0", _q8_0_kernel), "Q4_K": ("q4_k", _q4_k_kernel)}
+else:
+    KERNELS = {}
+
+
+def has_kernel(type_name: str) -> bool:
+    """Is there a kernel for this GGML type (where Triton is installed at all)?"""
+    return type_name in KERNELS
+
+
+def dense(type_name: str, blocks: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, mid: torch.dtype,
+          pairs: Pairs | None) -> torch.Tensor | None:
+    """The dense [M, N] weight in `dtype` of GGUF bytes `blocks` (uint8) of type `type_name`,
+    dequantized through `mid` (ComfyUI-GGUF's dequant dtype: float16 by default), plus the
+    pairs' delta where `pairs` is given; None where no kernel can run."""
+    m, n = shape if len(shape) == 2 else (0, 0)
+    if type_name not in KERNELS or not kernels.enabled(blocks.device):
+        return None
+    values, nbytes = ROW_BYTES[type_name]
+    name, kernel = KERNELS[type_name]
+    if (blocks.dtype != torch.uint8 or n % values or blocks.numel() != m * n // values * nbytes
+            or mid not in DTYPES or dtype not in DTYPES or not blocks.is_contiguous()
+            or (pairs is not None and (pairs.up.shape[0] != m or pairs.down.shape[1] != n))
+            or not _usable(name, blocks.view(m, -1), None)):
+        return None
+    out = torch.empty(m, n, dtype=dtype, device=blocks.device)
+    bm, bn, warps = TILES[name]
+    lora = (pairs.up, pairs.down, pairs.scales) if pairs is not None else (out, out, out)
+    ran = _launch(name, blocks, kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), (blocks, out, *lora, m, n), ({},),
+                  dict(MID=getattr(tl, DTYPES[mid]), RANK=pairs.rank if pairs is not None else 0, BM=bm, BN=bn,
+                       BR=pairs.br if pairs is not None else 32, PREC=pairs.prec if pairs is not None else None,
+                       num_warps=warps))
+    return out if ran else None
