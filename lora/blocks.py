@@ -21,6 +21,10 @@ class SwappedBlocks(Protocol):
     def block(self, index: int) -> tuple[nn.Module, BlockLayout]:
         """The block's module and the layout of its weights (their logical shapes, codecs)."""
 
+    @property
+    def block_count(self) -> int:
+        """How many blocks there are (indices 0 .. block_count - 1)."""
+
 
 def swapped_blocks(patcher) -> SwappedBlocks | None:
     """The blocks of a block-swapped patcher (its `swapped_blocks` property), else None."""

@@ -15,13 +15,14 @@ import torch
 
 import comfy.lora
 
-from . import gguf_kernels
+from . import gguf_kernels, kernels
 from .fold_ops import FoldOp
 
 WORKSPACE_FLOATS = 4   # float32 temporaries of one weight while it is dequantized and patched
 # the types with a kernel, and the peak bytes a value of the pack's dequantize beyond the dense
 # weight (measured on the CPU: 2.1 and 3.5), which the kernel's fallback needs
 FALLBACK_BYTES = {"Q8_0": 2, "Q4_K": 4}
+DEQUANT_BYTES = 9   # the most of the other types (Q5_0: 8.7; Q4_0 3.2, Q5_K 5.5, Q6_K 5.4)
 
 
 def dense_codec(attr):
@@ -44,19 +45,22 @@ class DenseOp(FoldOp):
         # a type with a kernel (Q8_0, Q4_K), plain LoRA pairs at the pack's patch dtype: one kernel (on
         # CUDA with Triton), through the pack's dequant dtype (float16 by default, "target": the model's)
         self.type_name = self.codec.type_name(self.spec) if hasattr(self.codec, "type_name") else None
-        self.kernel = self.patch_dtype is None and self.pairs is not None and self.type_name in FALLBACK_BYTES
+        self.kernel = self.type_name in FALLBACK_BYTES and (
+            not self.patches or (self.patch_dtype is None and self.pairs is not None))
         self.kernel_mid = {None: torch.float16, "target": dtype}.get(self.dequant_dtype, self.dequant_dtype)
         self.numel = math.prod(shape)
         self.nbytes = self.numel * torch.empty(0, dtype=dtype).element_size()
 
     def __call__(self, tensors) -> torch.Tensor:
         parts = [tensors[i] for i in self.entries]
-        pairs = self.kernel_pairs(parts[0]) if self.kernel else None
-        if pairs is not None:
+        if self.kernel and kernels.enabled(parts[0].device):
+            pairs = self.kernel_pairs(parts[0]) if self.patches else None
             w = gguf_kernels.dense(self.type_name, parts[0], self.shape, self.dtype, self.kernel_mid, pairs)
             if w is not None:
                 return w
         w = self.codec.dequantize(self.spec, parts, self.dtype, self.dequant_dtype)
+        if not self.patches:   # made dense on landing only (GgmlCodec.dense_on_land)
+            return w
         if self.patch_dtype is None and self.fused(w):   # plain LoRA pairs on CUDA: one addmm_ each
             return self.add_delta(w)
         if self.patch_dtype is None:
@@ -68,4 +72,6 @@ class DenseOp(FoldOp):
         (planned: its fallback's, the pack's dequantize and an addmm_), else float32 ones."""
         if self.kernel and device.type in self.fused_devices:
             return self.numel * FALLBACK_BYTES[self.type_name]
+        if not self.patches:   # the pack's dequantize alone
+            return self.numel * DEQUANT_BYTES
         return self.numel * 4 * WORKSPACE_FLOATS

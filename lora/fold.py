@@ -70,6 +70,11 @@ class BlockFolder:
         return sum(op.nbytes for op in self._dense.get(block, ()))
 
     @property
+    def writes_blocks(self) -> bool:
+        """Does any fold write a block's own tensors? (Dense folds only hand back new ones.)"""
+        return any(self._in_place.values())
+
+    @property
     def dense_blocks(self) -> frozenset[int]:
         """The blocks whose fold makes dense weights to bind (folded before each call where resident)."""
         return frozenset(b for b, ops in self._dense.items() if ops)
@@ -100,11 +105,29 @@ def _comfyui_patches(block, attr) -> bool:
     return all(name in own for name, _ in module.named_parameters())
 
 
+def _add_dense_on_land(blocks: SwappedBlocks, ops: dict[int, list[FoldOp]], compute_dtype: torch.dtype) -> None:
+    """Unpatched packed weights whose codec makes them dense on landing (GGUF types whose
+    dequantize blocks the stream in a forward: GgmlCodec.dense_on_land) get a DenseOp without
+    patches: dequantized once per landing on the land stream, off the compute stream."""
+    for b in range(blocks.block_count):
+        module, layout = blocks.block(b)
+        done = {op.attr for op in ops.get(b, ()) if isinstance(op, DenseOp)}
+        for i, attr in enumerate(layout.attrs):
+            codec = dense_codec(attr)
+            if (i in done or codec is None or not hasattr(codec, "dense_on_land")
+                    or not codec.dense_on_land(attr.spec)):
+                continue
+            ops.setdefault(b, []).append(DenseOp(f"block {b}: {attr.path}.{attr.name}", (), i, layout,
+                                                 module.get_submodule(attr.path), compute_dtype,
+                                                 attr_shape(layout, attr)))
+
+
 def block_folder(blocks: SwappedBlocks, patches_by_key: dict,
                  patch_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32
                  ) -> BlockFolder | None:
     """The per-landing fold of the block patches among `patches_by_key` (a patcher's
-    `patches`), or None if no block weight is patched. `patch_dtype`: what ComfyUI patches
+    `patches`) and of the packed weights made dense on landing without patches, or None if
+    there is neither. `patch_dtype`: what ComfyUI patches
     plain weights in on the fold's device (float32, or 0.33's `lora_compute_dtype`);
     `compute_dtype`: what the model's layers compute in (the dtype of a dense fold). Raises
     ValueError for a patch that cannot apply (e.g. a shape mismatch)."""
@@ -144,6 +167,7 @@ def block_folder(blocks: SwappedBlocks, patches_by_key: dict,
     if left_out:
         log.info("RingSwap LoRA: %d patched block tensors are left out, as ComfyUI's own loader leaves them "
                  "out (parameters of non-leaf modules, buffers), e.g. %s", len(left_out), left_out[0])
+    _add_dense_on_land(blocks, ops, compute_dtype)
     if not ops:
         return None
     folder = BlockFolder(ops)

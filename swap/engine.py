@@ -25,7 +25,7 @@ from .slot_ring import Slot, SlotRing
 from .coding import Coding, coding_for, keep_coder
 from .plane_codec import PlaneCoder
 from .sources import CodedSource, FileSource, RamSource
-from .state import Attachment, BlockState, OnLand, ResidentWork
+from .state import Attachment, BlockState, OnLand, ResidentWork, writes_blocks
 from .stats import RunStats
 
 log = logging.getLogger("ringswap.engine")
@@ -234,7 +234,7 @@ class BlockSwapEngine:
             return
         try:
             att.copier.synchronize()
-            if self.home == "auto" and capture_bytes > 0 and att.on_land is None:
+            if self.home == "auto" and capture_bytes > 0 and not writes_blocks(att.on_land):
                 coding = keep_coder(self.coding, self.coder_factory, att)
                 self.coding = self.coding if coding is None else coding
                 home.capture_resident(self.states, self.pool, att.plan.resident, capture_bytes, coding)

@@ -172,7 +172,7 @@ class WindowPlan:
                 if i.conds_per_step > 1 else "; 1 model call a step")
         if not r.streamed:
             return head + step + "; nothing streams"
-        copy = (f"est. copy {self.copy_s:.2f} s" + (f" (then a LoRA fold of {i.land_s * 1e3:.1f} ms a block)"
+        copy = (f"est. copy {self.copy_s:.2f} s" + (f" (then a fold of {i.land_s * 1e3:.1f} ms a block)"
                                                   if i.land_s else "") if self.copy_s else "copy rate not measured yet")
         compute = (f"compute ~{i.compute_s:.2f} s" if i.compute_s else "compute not measured yet")
         verdict = "" if self.bound == "unknown" else f": {self.bound}"

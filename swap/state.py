@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 OnLand = Callable[[int, list[torch.Tensor]], "dict[int, torch.Tensor] | None"]   # see BlockSwapEngine.attach
 
 
+def writes_blocks(on_land: OnLand | None) -> bool:
+    """May `on_land` write a block's own tensors? (One whose `writes_blocks` is False only hands
+    back replacements to bind, so the device copy stays what was placed.)"""
+    return on_land is not None and getattr(on_land, "writes_blocks", True)
+
+
 @dataclass(frozen=True)
 class ResidentWork:
     """On-land work of `blocks` split for where they stay resident: `placed` once, when placed

@@ -95,7 +95,7 @@ class RunStats:
                 f"copied {self.bytes_copied / 1e9:.2f} GB in {self.copies} copies at {self.gbps:.1f} GB/s; "
                 f"copy time {self.copy_s * 1e3:.0f} ms, {self.hidden_s * 1e3:.0f} ms hidden under compute "
                 f"({hidden:.0f}%), compute waited {self.wait_s * 1e3:.0f} ms"
-                + (f"; LoRA fold {1e3 * self.fold_s_per_block:.2f} ms per block (on its own stream, beside compute; "
+                + (f"; fold on landing {1e3 * self.fold_s_per_block:.2f} ms per block (on its own stream, beside compute; "
                    f"compute waited ~{self.land_wait_s * 1e3:.0f} ms for folds past their copies)"
                    if self.fold_s_per_block else "")
                 + (f"; {self.calls} model calls, {self.compute_s:.2f} s compute each" if self.call_times else "")

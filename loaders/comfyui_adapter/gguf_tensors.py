@@ -6,6 +6,7 @@ Quantized weights outside the blocks get their LoRA patches as the pack's own pa
 them (applied at each forward by its layers), since RingSwap's patcher is not the pack's."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import sys
 
@@ -17,6 +18,7 @@ import comfy.utils
 from ...swap.layout import codec_for, register_codec
 
 CLASS_NAME = "GGMLTensor"
+_SYNCS: dict = {}   # the pack's dequantize function -> does it make a blocking copy
 
 
 class GgmlCodec:
@@ -36,6 +38,22 @@ class GgmlCodec:
     def type_name(self, spec) -> str:
         """The GGML quantization type's name ("Q8_0", "Q4_K", "F16", ...)."""
         return getattr(spec[0], "name", str(spec[0]))
+
+    def dense_on_land(self, spec) -> bool:
+        """Whether this type's weights are better made dense when their block lands, with or
+        without a LoRA: the pack's dequantize of the type builds a small table on the device from
+        a Python list (`torch.tensor(..., device=)`, a blocking copy), which in a layer's forward
+        makes the host wait for all the compute queued before it, at every weight. Probed in the
+        installed pack's code (Q4_0/Q5_0/K-quants: yes; Q8_0, BF16: no)."""
+        fn = self.dequant.dequantize_functions.get(spec[0])
+        if fn is None or not self.quantized(spec):
+            return False
+        if fn not in _SYNCS:
+            try:
+                _SYNCS[fn] = "torch.tensor(" in inspect.getsource(fn)
+            except (OSError, TypeError):   # no source to read: the pack's own way
+                _SYNCS[fn] = False
+        return _SYNCS[fn]
 
     def dequantize(self, spec, parts, dtype: torch.dtype, dequant_dtype=None) -> torch.Tensor:
         """The dense weight of the packed one, as the pack's layer computes it each forward

@@ -186,7 +186,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         log.info("%s; %s memory, %.2f GB at home%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
                  engine.pool.nbytes / 1e9, f"; {split.line()}" if split is not None else "",
                  f"; {coding}" if coding else "",
-                 f"; LoRA on GGUF: {dense / 1e9:.2f} GB of dense weights a block on the device (planned"
+                 f"; GGUF dense weights: {dense / 1e9:.2f} GB a block on the device (planned"
                  f"{', made before each call where resident' if plan.inputs.dense_per_call else ''})"
                  if dense else "", time.perf_counter() - t0,
                  f" (read {read / 1e9:.2f} GB from the file in {read_s:.2f} s)" if read else "",
@@ -222,10 +222,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         return device
 
     def lora_folder(self, device: torch.device):
-        """The LoRA fold to run on each block as it lands (None without block patches).
-        Cached per patches_uuid and device, so re-attaching with unchanged patches keeps the ring."""
-        if not self.patches:
-            return None
+        """The fold to run on each block as it lands: its LoRA patches, and the GGUF weights made
+        dense on landing (lora/fold.py; None where there is neither). Cached per patches_uuid and
+        device, so re-attaching with unchanged patches keeps the ring."""
         run, key = self.ringswap_run, (self.patches_uuid, device)
         if run.folder_key != key:
             run.folder = block_folder(self.swap_state, self.patches, features.lora_patch_dtype(device),

@@ -51,6 +51,10 @@ class SwapState:
         s = self.engine.states[index]
         return s.block, s.layout
 
+    @property
+    def block_count(self) -> int:
+        return self.engine.num_blocks
+
     @classmethod
     def install(cls, diffusion_model: nn.Module, engine: BlockSwapEngine) -> "SwapState":
         """Use `engine` (e.g. one that reads blocks from a file) for this model."""

@@ -273,7 +273,7 @@ def test_fold_time_in_run_stats(models, loras, caplog, swapped):
     with caplog.at_level(logging.INFO, logger="ringswap"):
         ksample(model, 3)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap run:")]
-    assert "LoRA fold" in line and "ms per block" in line
+    assert "fold on landing" in line and "ms per block" in line
     assert isinstance(model.lora_folder(model.load_device), BlockFolder)
 
 

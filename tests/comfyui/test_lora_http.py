@@ -64,4 +64,4 @@ def test_strength_changes_between_runs_equal_fresh_loads(server):
         free(server)
         assert torch.equal(latent(server, s, f"fresh{s}"), got[s]), s
     runs = [ln for ln in server.log_text().splitlines() if "RingSwap run:" in ln]
-    assert any("LoRA fold" in ln for ln in runs), runs[-1:]
+    assert any("fold on landing" in ln for ln in runs), runs[-1:]

@@ -109,8 +109,9 @@ def test_auto_home_read_failure_leaves_nothing_half_loaded():
 def test_auto_home_keeps_resident_blocks_in_ram_as_far_as_given(room_blocks):
     """A home=auto model taken off the device with room for resident blocks keeps them in RAM
     (copied from the device, as many whole blocks as fit): the next attach places them without
-    reading the file, drops those homes again once placed, and is exact. On-land work (a LoRA
-    fold changes the device copy) keeps nothing."""
+    reading the file, drops those homes again once placed, and is exact. On-land work that may
+    write the blocks (a LoRA fold changes the device copy) keeps nothing; work that only hands
+    back replacements (`writes_blocks` False) keeps them."""
     blocks = make_blocks()
     ref = run(blocks, X)
     src = FileLike(blocks)
@@ -132,6 +133,23 @@ def test_auto_home_keeps_resident_blocks_in_ram_as_far_as_given(room_blocks):
     engine.attach("cpu", plan, on_land=lambda block, tensors: None)
     engine.detach(capture_bytes=N * size)
     assert sorted(engine.pool.blocks) == sorted(plan.streamed)
+    replaces = ReplacesOnly()   # on-land work that only hands back new tensors keeps them again
+    engine.attach("cpu", plan, on_land=replaces)
+    engine.detach(capture_bytes=N * size)
+    assert sorted(engine.pool.blocks) == list(range(N)) and replaces.calls
+    assert torch.equal(run(blocks, X), ref), "the kept homes hold the placed weights"
+
+
+class ReplacesOnly:
+    """On-land work that writes no block tensor (as a GGUF dense fold): `writes_blocks` False."""
+    writes_blocks = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, block, tensors):
+        self.calls += 1
+        return None
 
 
 @pytest.mark.gpu

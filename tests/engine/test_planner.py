@@ -276,7 +276,7 @@ def test_auto_window_copies_further_ahead_where_folds_stall():
     folded = plan_window(replace(base, land_s=0.0053))
     assert folded.prefetch == 2 and folded.call_s == pytest.approx(0.55, abs=0.002), folded.line()
     assert replace(unfolded, inputs=folded.inputs).call_s > 1.03 * folded.call_s   # prefetch 1 would stall
-    assert "then a LoRA fold of 5.3 ms a block" in folded.line()
+    assert "then a fold of 5.3 ms a block" in folded.line()
 
 
 def test_compute_time_leaves_out_the_runs_first_call():
