@@ -5,7 +5,7 @@
 #   run(carry=[".whl", ".comfyui-0.33-device"], command="bash bench/device_run.sh suite-033")
 # Parts: suite (all tests on ComfyUI 0.3.75, ~3 min), suite-033 (all tests on ComfyUI
 # 0.33.0, dynamic VRAM off), suite-033-dyn (the same with 0.33's dynamic VRAM started as
-# its main.py does, RINGSWAP_DYNAMIC_VRAM=1), gpu-gguf / gpu-gguf-033-dyn (the GGUF GPU tests and the Q8_0 kernel's on 0.3.75 / 0.33 dynamic), gpu / gpu-033 / gpu-033-dyn (only the tests
+# its main.py does, RINGSWAP_DYNAMIC_VRAM=1), gpu-gguf / gpu-gguf-033-dyn (the GGUF GPU tests and the GGUF kernels' on 0.3.75 / 0.33 dynamic), gpu / gpu-033 / gpu-033-dyn (only the tests
 # marked gpu, same three runtimes), dyn-bench (bench/dynamic_vram.py on 0.33, ~6 min), fold (bench/fold.py, ~1.5 min), kernels
 # (bench/fold_kernels.py, ~1 min), auto / auto-033-dyn / auto-fp8-033-dyn (bench/auto_window.py, bf16 or
 # scaled fp8, caps 24/16/12 GiB, ~6 min), stream-quant (stream.py, scaled fp8 + nvfp4, ~4 min),
@@ -14,6 +14,8 @@
 # stream-fp8 (stream.py, scaled fp8 only, 32,760 tokens, ~3.5 min) and stream-* run on the ComfyUI that RINGSWAP_COMFY names (default 0.3.75).
 # fold-gguf (fold.py on Q4_K and Q8_0 Wan-14B blocks, 7,800 tokens, with the kernel table; needs .comfyui-gguf).
 # gguf-12h-lora (Q8_0, 12 GiB, halved link, cfg 1 and 5, a rank-64 LoRA: RingSwap Patch and ComfyUI-GGUF alone on 0.33 dynamic).
+# gguf-q4k-8 (Q4_K, 8 GiB, full link, cfg 1, RingSwap Patch on 0.3.75 and 0.33 dynamic without and with a
+# rank-64 LoRA: dense weights made on landing by the Q4_K kernel in both; ~9 min).
 # gguf-12h-c1 (Q8_0, 12 GiB, halved link, cfg 1, RingSwap Patch on 0.33 dynamic without and with the LoRA, each
 # with a next prompt planned by the first one's rates, folds included: the LoRA / no-LoRA ratio on one machine).
 # compare-* (bench/compare.py, each cell in its own process on its own ComfyUI; need
@@ -150,6 +152,9 @@ for p in "$@"; do
                 comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 ;;
     gguf-12h-lora) compare gguf_12h_lora 560 --formats gguf_q8_0 --tokens 7800 --cfgs 1 5 --links halved \
                      --lora-rank 64 --configs rs-patch-0.33-dyn@12 comfy-0.33-dyn@12 ;;
+    gguf-q4k-8) compare gguf_q4k_8 300 --formats gguf_q4_k --tokens 7800 --configs rs-patch-0.3.75@8 rs-patch-0.33-dyn@8
+                compare gguf_q4k_8_lora 260 --formats gguf_q4_k --tokens 7800 --lora-rank 64 --configs \
+                  rs-patch-0.3.75@8 rs-patch-0.33-dyn@8 ;;
     gguf-12h-c1) compare gguf_12h_c1 290 --formats gguf_q8_0 --tokens 7800 --cfgs 1 --links halved --rerun \
                    --rerun-steps 3 --configs rs-patch-0.33-dyn@12
                  compare gguf_12h_c1_lora 250 --formats gguf_q8_0 --tokens 7800 --cfgs 1 --links halved --rerun \
@@ -179,7 +184,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
