@@ -20,9 +20,9 @@ from .fold_ops import FoldOp
 
 WORKSPACE_FLOATS = 4   # float32 temporaries of one weight while it is dequantized and patched
 # the types with a kernel, and the peak bytes a value of the pack's dequantize beyond the dense
-# weight (measured on the CPU: 2.1 and 3.5), which the kernel's fallback needs
-FALLBACK_BYTES = {"Q8_0": 2, "Q4_K": 4}
-DEQUANT_BYTES = 9   # the most of the other types (Q5_0: 8.7; Q4_0 3.2, Q5_K 5.5, Q6_K 5.4)
+# weight, which the kernel's fallback needs (bench/dequant_peak.py, the larger of its two dtypes)
+FALLBACK_BYTES = {"Q8_0": 2.2, "Q4_K": 3.6}
+DEQUANT_BYTES = 8.7   # the most of the other types (Q5_0 8.7; Q4_0 3.2, Q5_K 5.5, Q6_K 5.4)
 
 
 def dense_codec(attr):
@@ -71,7 +71,7 @@ class DenseOp(FoldOp):
         """Device bytes of this fold's temporaries: where a kernel folds it on CUDA it needs none
         (planned: its fallback's, the pack's dequantize and an addmm_), else float32 ones."""
         if self.kernel and device.type in self.fused_devices:
-            return self.numel * FALLBACK_BYTES[self.type_name]
+            return math.ceil(self.numel * FALLBACK_BYTES[self.type_name])
         if not self.patches:   # the pack's dequantize alone
-            return self.numel * DEQUANT_BYTES
+            return math.ceil(self.numel * DEQUANT_BYTES)
         return self.numel * 4 * WORKSPACE_FLOATS
