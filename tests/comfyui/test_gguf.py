@@ -1,6 +1,7 @@
 """GGUF models (city96's ComfyUI-GGUF, the real pack from ../shared) block-swapped by RingSwap
 Patch: the Unet Loader (GGUF) MODEL streams its quantized blocks in their GGUF bytes and the
 output equals ComfyUI-GGUF's own run bit for bit."""
+import math
 import os
 
 import pytest
@@ -278,6 +279,29 @@ def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir, caplog):
         comfy.model_management.unload_all_models()
     assert any("GGUF dense weights: 0.00 GB a block" in r.getMessage() for r in caplog.records
                if r.name == "ringswap.patcher"), "the plan line says what the dense folds take"
+
+
+def test_dense_folds_plan_the_packs_dequantize_temporaries(gguf_dir):
+    """Which weights are made dense on landing, and the device bytes planned for one fold's
+    temporaries on CUDA (its own fallback: the pack's dequantize, bench/dequant_peak.py): without
+    a LoRA only the types whose dequantize waits for the stream (Q4_K 3.6 bytes a value where its
+    kernel may fall back, Q5_0 8.7), none for Q8_0; with plain LoRA pairs Q8_0 2.2 and Q4_K 3.6;
+    with pairs on a type without a kernel, four float32. The largest weight is 128 x 256."""
+    cuda, largest = torch.device("cuda"), 128 * 256
+    cases = {("Q8_0", False): None, ("Q4_K", False): 3.6, ("Q5_0", False): 8.7,
+             ("Q8_0", True): 2.2, ("Q4_K", True): 3.6, ("Q5_0", True): 16}
+    for (qtype, with_lora), per_value in cases.items():
+        base = load_gguf(f"wan_{qtype}_F32.gguf")
+        (model,) = RingSwapPatch().patch(lora_on(base, "kohya") if with_lora else base, 1, 1, "auto")
+        folder = model.lora_folder(cuda)
+        if per_value is None:
+            assert folder is None, qtype
+            continue
+        types = {op.type_name for ops in folder.ops.values() for op in ops}
+        assert types == ({"Q8_0", "Q4_K"} if qtype == "Q4_K" and with_lora else {qtype}), (qtype, with_lora, types)
+        assert folder.workspace_bytes(cuda) == math.ceil(largest * per_value), (qtype, with_lora)
+        assert folder.writes_blocks is False, "dense folds leave the packed bytes as placed"
+    comfy.model_management.unload_all_models()
 
 
 @pytest.mark.server
