@@ -1,6 +1,6 @@
 """Time lora/kernels.py's fused folds per Wan-14B block (10 Linears, rank-64 bf16 LoRA) for
 several tile shapes, first landing (two passes) and later ones (the kept amax), and check
-each fp8 type against the op-by-op fold (mismatch counts); GGUF Q8_0's and Q4_K's dense folds
+each fp8 type against the op-by-op fold (mismatch counts); GGUF Q8_0's and K-quants' dense folds
 (lora/gguf_kernels.py) beside the ops they replace (the pack's dequantize, to bf16, addmm_), the
 pack's dequantize alone and the kernels without pairs. Imports no ComfyUI module (the pack's
 dequant.py is read from ComfyUI's custom_nodes where linked). Usage: python bench/fold_kernels.py [--reps 5]"""
@@ -22,7 +22,8 @@ SHAPES = [(5120, 5120)] * 8 + [(13824, 5120), (5120, 13824)]
 CONFIGS = {"fp8": [(64, 64, 4), (64, 128, 4), (128, 128, 4), (128, 64, 4), (32, 64, 4)],
            "nvfp4": [(64, 64, 4), (128, 32, 4), (32, 64, 4), (64, 32, 4), (128, 64, 4)],
            "q8_0": [(128, 128, 8), (64, 128, 4), (64, 256, 8), (128, 64, 4), (32, 128, 4), (64, 64, 4)],
-           "q4_k": [(64, 256, 8), (32, 256, 4), (128, 256, 8), (64, 512, 8), (16, 256, 4)]}
+           "q4_k": [(64, 256, 8), (32, 256, 4), (128, 256, 8), (64, 512, 8), (16, 256, 4)],
+           "q5_k": [(64, 256, 8), (32, 256, 4)], "q6_k": [(64, 256, 8), (32, 256, 4)]}
 
 
 def lora(m, n, g):
@@ -82,7 +83,7 @@ def gguf_ops(weights, reps):
         print("no ComfyUI-GGUF in custom_nodes: the pack's ops not timed", flush=True)
         return
     import gguf
-    for kind in ("Q8_0", "Q4_K"):
+    for kind in ("Q8_0", "Q4_K", "Q5_K", "Q6_K"):
         qt = getattr(gguf.GGMLQuantizationType, kind)
 
         def dequant(wt):
@@ -99,10 +100,14 @@ def gguf_ops(weights, reps):
               flush=True)
 
 
-def q4_k_bytes(m, n, g):
-    """Random Q4_K bytes of an [m, n] weight with small finite d and dmin."""
-    blocks = torch.randint(0, 256, (m * n // 256, 144), device=DEV, generator=g, dtype=torch.uint8)
-    for at in (0, 2):
+K_QUANTS = {"q4_k": (144, (0, 2)), "q5_k": (176, (0, 2)), "q6_k": (210, (208,))}   # bytes a super-block, fp16 fields
+
+
+def k_quant_bytes(kind, m, n, g):
+    """Random K-quant bytes of an [m, n] weight with small finite fp16 fields (d, dmin)."""
+    nbytes, halves = K_QUANTS[kind]
+    blocks = torch.randint(0, 256, (m * n // 256, nbytes), device=DEV, generator=g, dtype=torch.uint8)
+    for at in halves:
         blocks[:, at:at + 2] = (torch.rand(blocks.shape[0], 1, device=DEV, generator=g) * 5e-4).half().view(torch.uint8)
     return blocks.reshape(m, -1)
 
@@ -127,7 +132,7 @@ def main():
         d = (w.reshape(-1, 32).abs().amax(1, keepdim=True) / 127).half()
         q8 = torch.cat([d.view(torch.uint8), (w.reshape(-1, 32) / d).round().to(torch.int8).view(torch.uint8)], 1)
         weights.append({"q8_0": (q8.reshape(m, -1), (m, n), torch.bfloat16, torch.float16),
-                        "q4_k": (q4_k_bytes(m, n, g), (m, n), torch.bfloat16, torch.float16),
+                        **{k: (k_quant_bytes(k, m, n, g), (m, n), torch.bfloat16, torch.float16) for k in K_QUANTS},
                         "fp8": ((w / s).to(torch.float8_e4m3fn), s.clone()),
                         "nvfp4": (nv._qdata, nv._params.scale.float().clone(), nv._params.block_scale),
                         "lora": lora(m, n, g)})
@@ -144,7 +149,7 @@ def main():
                 for wt in weights:
                     if first:   # as the first landing: both passes (later ones keep its amax)
                         wt["pairs"].amax_kept = False
-                    if kind in ("q8_0", "q4_k"):
+                    if kind == "q8_0" or kind in K_QUANTS:
                         assert G.dense(kind.upper(), *wt[kind], wt["pairs"]) is not None
                     elif kind == "fp8":
                         assert K.fold_fp8_(*wt["fp8"], wt["pairs"], 1e-12)

@@ -15,7 +15,7 @@ from . import kernels
 from .kernels import TILES, Pairs, _launch, _usable, triton
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}   # triton.language names
-ROW_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144)}   # values and bytes of one GGML block
+ROW_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}   # values, bytes of a GGML block
 
 
 if triton is not None:
@@ -50,6 +50,18 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _scale_min_k4(blk, g, gmask):
+        """get_scale_min of a K-quant super-block's 12 scale bytes (at blk + 4): the 6-bit scale
+        and min of each of its eight 32-value groups `g`, as int32."""
+        b_g = tl.load(blk + 4 + g[None, :], mask=gmask, other=0).to(tl.int32)
+        b_g4 = tl.load(blk + 8 + g[None, :], mask=gmask, other=0).to(tl.int32)
+        b_lo = tl.load(blk + 4 + (g % 4)[None, :], mask=gmask, other=0).to(tl.int32)
+        low = g[None, :] < 4
+        sc = tl.where(low, b_g & 63, (b_g4 & 15) | ((b_lo >> 2) & 48))
+        mn = tl.where(low, b_g4 & 63, (b_g4 >> 4) | ((b_g >> 2) & 48))
+        return sc, mn
+
+    @triton.jit
     def _q4_k_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
         """Q4_K rows (per 256 values: fp16 d and dmin, 12 bytes of 6-bit scales and mins for its
@@ -67,12 +79,7 @@ if triton is not None:
         blk = q_ptr + rm[:, None].to(tl.int64) * (N // 256 * 144) + ((grp // 8) * 144)[None, :]
         d = _f16_at(blk, gmask).to(MID).to(tl.float32)
         dmin = _f16_at(blk + 2, gmask).to(MID).to(tl.float32)
-        b_g = tl.load(blk + 4 + g[None, :], mask=gmask, other=0).to(tl.int32)         # get_scale_min's
-        b_g4 = tl.load(blk + 8 + g[None, :], mask=gmask, other=0).to(tl.int32)        # three byte rows
-        b_lo = tl.load(blk + 4 + (g % 4)[None, :], mask=gmask, other=0).to(tl.int32)
-        low = g[None, :] < 4
-        sc = tl.where(low, b_g & 63, (b_g4 & 15) | ((b_lo >> 2) & 48))
-        mn = tl.where(low, b_g4 & 63, (b_g4 >> 4) | ((b_g >> 2) & 48))
+        sc, mn = _scale_min_k4(blk, g, gmask)
         dsc = (d * sc.to(tl.float32)).to(MID).to(tl.float32)
         dm = (dmin * mn.to(tl.float32)).to(MID).to(tl.float32)
         qb = tl.load(blk[:, :, None] + 16 + ((g // 2) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :],
@@ -85,7 +92,67 @@ if triton is not None:
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
-    KERNELS = {"Q8_0": ("q8_0", _q8_0_kernel), "Q4_K": ("q4_k", _q4_k_kernel)}
+    @triton.jit
+    def _q5_k_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        """Q5_K rows (per 256 values: fp16 d and dmin, the 12 scale bytes of Q4_K, 32 bytes of
+        fifth bits (bit g of byte l for value l of group g), 128 bytes of low nibbles laid out as
+        Q4_K's). The pack's steps are Q4_K's with q = low nibble | fifth bit << 4."""
+        G: tl.constexpr = BN // 32
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        grp = tl.program_id(1) * G + tl.arange(0, G)
+        g = grp % 8
+        gmask = (rm[:, None] < M) & (grp[None, :] < N // 32)
+        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 256 * 176) + ((grp // 8) * 176)[None, :]
+        d = _f16_at(blk, gmask).to(MID).to(tl.float32)
+        dmin = _f16_at(blk + 2, gmask).to(MID).to(tl.float32)
+        sc, mn = _scale_min_k4(blk, g, gmask)
+        dsc = (d * sc.to(tl.float32)).to(MID).to(tl.float32)
+        dm = (dmin * mn.to(tl.float32)).to(MID).to(tl.float32)
+        lane = tl.arange(0, 32)[None, None, :]
+        lo = tl.load(blk[:, :, None] + 48 + ((g // 2) * 32)[None, :, None] + lane, mask=gmask[:, :, None], other=0)
+        hi = tl.load(blk[:, :, None] + 16 + lane, mask=gmask[:, :, None], other=0)
+        q = ((lo.to(tl.int32) >> ((g % 2) * 4)[None, :, None]) & 15) | (((hi.to(tl.int32) >> g[None, :, None]) & 1) << 4)
+        w = (dsc[:, :, None] * q.to(tl.float32)).to(MID).to(tl.float32)
+        w = (w - dm[:, :, None]).to(MID)
+        w = tl.reshape(w.to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
+        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _q6_k_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        """Q6_K rows (per 256 values: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8
+        scales, one per 16 values, then fp16 d). The pack's steps (dequantize_blocks_Q6_K): the
+        scales and d in MID, d * scale rounded to MID, q = (low | high << 4) - 32, (d * scale) * q
+        rounded, then to the output dtype. A tile is [BM, BN / 16] scales by 16 values."""
+        S: tl.constexpr = BN // 16
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        sub = tl.program_id(1) * S + tl.arange(0, S)   # 16-value sub-blocks along the row
+        j = sub % 16
+        g = j // 2   # the 32-value group, and the half of it
+        smask = (rm[:, None] < M) & (sub[None, :] < N // 16)
+        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 256 * 210) + ((sub // 16) * 210)[None, :]
+        d = _f16_at(blk + 208, smask).to(MID).to(tl.float32)
+        sc = tl.load(blk + 192 + j[None, :], mask=smask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        dsc = (d * sc.to(MID).to(tl.float32)).to(MID).to(tl.float32)
+        lane = ((j % 2) * 16)[None, :, None] + tl.arange(0, 16)[None, None, :]   # l, within the group
+        lo = tl.load(blk[:, :, None] + ((g // 4) * 64 + (g % 2) * 32)[None, :, None] + lane,
+                     mask=smask[:, :, None], other=0).to(tl.int32)
+        hi = tl.load(blk[:, :, None] + 128 + ((g // 4) * 32)[None, :, None] + lane,
+                     mask=smask[:, :, None], other=0).to(tl.int32)
+        q = (((lo >> (((g // 2) % 2) * 4)[None, :, None]) & 15) | (((hi >> ((g % 4) * 2)[None, :, None]) & 3) << 4)) - 32
+        w = (dsc[:, :, None] * q.to(tl.float32)).to(MID)
+        w = tl.reshape(w.to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
+        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+    KERNELS = {"Q8_0": ("q8_0", _q8_0_kernel), "Q4_K": ("q4_k", _q4_k_kernel), "Q5_K": ("q5_k", _q5_k_kernel),
+               "Q6_K": ("q6_k", _q6_k_kernel)}
 else:
     KERNELS = {}
 

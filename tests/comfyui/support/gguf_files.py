@@ -1,7 +1,7 @@
 """Tiny Wan GGUF files as ComfyUI-GGUF reads them, written with the `gguf` package from a tiny
 Wan safetensors file: block linear weights quantized with gguf.quants (Q8_0, Q5_0, Q4_0), or
-Q4_K made of random valid blocks where a row holds whole 256-weight super-blocks (gguf.quants
-does not quantize K-quants; the other linears then Q8_0), everything else F32 (or F16), and tensors of more than four dimensions (Wan's patch
+K-quants (Q4_K, Q5_K, Q6_K) made of random valid blocks where a row holds whole 256-weight
+super-blocks (gguf.quants does not quantize K-quants; the other linears then Q8_0), everything else F32 (or F16), and tensors of more than four dimensions (Wan's patch
 embedding) flattened with their shape in `comfy.gguf.orig_shape.<name>`, as ComfyUI-GGUF's
 converter stores them."""
 from __future__ import annotations
@@ -15,19 +15,21 @@ import numpy as np
 from safetensors.torch import load_file
 
 QTYPES = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q5_0": gguf.GGMLQuantizationType.Q5_0,
-          "Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_K": gguf.GGMLQuantizationType.Q4_K}
+          "Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_K": gguf.GGMLQuantizationType.Q4_K,
+          "Q5_K": gguf.GGMLQuantizationType.Q5_K, "Q6_K": gguf.GGMLQuantizationType.Q6_K}
+K_QUANTS = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q5_K: (0, 2),
+            gguf.GGMLQuantizationType.Q6_K: (208,)}   # where their fp16 fields (d, dmin) are
 
 
-def random_q4_k(rows: int, cols: int, seed: int) -> np.ndarray:
-    """Valid Q4_K bytes for a rows x cols weight: per 256 weights d and dmin (f16, small), 12
-    bytes of 6-bit scales and mins, 128 bytes of 4-bit values, all random."""
+def random_k_quant(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid K-quant bytes for a rows x cols weight: per 256 weights random bytes, with the fp16
+    fields (d, and dmin where the type has one) small finite values."""
     rng = np.random.default_rng(seed)
     n = rows * cols // 256
-    blocks = np.empty((n, 144), dtype=np.uint8)
-    blocks[:, 0:2] = rng.uniform(1e-4, 5e-4, n).astype(np.float16).view(np.uint8).reshape(n, 2)
-    blocks[:, 2:4] = rng.uniform(1e-4, 5e-4, n).astype(np.float16).view(np.uint8).reshape(n, 2)
-    blocks[:, 4:] = rng.integers(0, 256, (n, 140), dtype=np.uint8)
-    return blocks.reshape(rows, cols // 256 * 144)
+    blocks = rng.integers(0, 256, (n, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    for at in K_QUANTS[qtype]:
+        blocks[:, at:at + 2] = rng.uniform(1e-4, 5e-4, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return blocks.reshape(rows, -1)
 
 
 BLOCK_LISTS = ("blocks.", "vace_blocks.", "double_blocks.", "single_blocks.")
@@ -47,11 +49,11 @@ def write_wan_gguf(safetensors_path: str, path: str, qtype: str = "Q8_0", other:
             w.add_tensor(key, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
             continue
         linear = key.startswith(BLOCK_LISTS) and key.endswith(".weight") and t.ndim == 2
-        if linear and q == gguf.GGMLQuantizationType.Q4_K and t.shape[1] % 256 == 0:
-            data = random_q4_k(*t.shape, seed=n)
+        if linear and q in K_QUANTS and t.shape[1] % 256 == 0:
+            data = random_k_quant(q, *t.shape, seed=n)
             w.add_tensor(key, data, raw_shape=data.shape, raw_dtype=q)
             continue
-        kind = gguf.GGMLQuantizationType.Q8_0 if q == gguf.GGMLQuantizationType.Q4_K else q
+        kind = gguf.GGMLQuantizationType.Q8_0 if q in K_QUANTS else q
         if linear and t.shape[1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
             data = gguf.quants.quantize(a, kind)
             w.add_tensor(key, data, raw_shape=data.shape, raw_dtype=kind)
