@@ -89,11 +89,11 @@ for p in "$@"; do
     suite) part suite 260 0.3.75 0 "${pytest[@]}" ;;
     suite-033) part suite_033 270 0.33 0 "${pytest[@]}" ;;
     suite-033-dyn) part suite_033_dyn 290 0.33 1 "${pytest[@]}" ;;
-    gpu) part gpu 200 0.3.75 0 bash -c "$gpu_tests" ;;
+    gpu) part gpu 260 0.3.75 0 bash -c "$gpu_tests" ;;
     gpu-033) part gpu_033 150 0.33 0 bash -c "$gpu_tests" ;;
-    gpu-033-dyn) part gpu_033_dyn 240 0.33 1 bash -c "$gpu_tests" ;;
-    gpu-gguf) part gpu_gguf 140 0.3.75 0 "${gguf_gpu_tests[@]}" ;;
-    gpu-gguf-033-dyn) part gpu_gguf_033_dyn 140 0.33 1 "${gguf_gpu_tests[@]}" ;;
+    gpu-033-dyn) part gpu_033_dyn 300 0.33 1 bash -c "$gpu_tests" ;;
+    gpu-gguf) part gpu_gguf 200 0.3.75 0 "${gguf_gpu_tests[@]}" ;;
+    gpu-gguf-033-dyn) part gpu_gguf_033_dyn 200 0.33 1 "${gguf_gpu_tests[@]}" ;;
     dyn-bench) part dyn_bench 470 0.33 "" python3 bench/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
     auto-033-dyn) part auto_033_dyn 420 0.33 1 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16_033dyn.json" ;;
     auto-fp8-033-dyn) part auto_fp8_033_dyn 330 0.33 1 python3 bench/auto_window.py --format scaled_fp8 \
