@@ -22,7 +22,7 @@ WORKSPACE_FLOATS = 4   # float32 temporaries of one weight while it is dequantiz
 # the types with a kernel, and the peak bytes a value of the pack's dequantize beyond the dense
 # weight, which the kernel's fallback needs (bench/dequant_peak.py, the larger of its two dtypes)
 FALLBACK_BYTES = {"Q8_0": 2.2, "Q4_K": 3.6, "Q5_K": 5.5, "Q6_K": 5.4}
-DEQUANT_BYTES = 8.7   # the most of the other types (Q5_0 8.7; Q4_0 3.2, Q5_K 5.5, Q6_K 5.4)
+DEQUANT_BYTES = 8.7   # the most of the types without a kernel (Q5_0 8.7, Q4_0 3.2)
 
 
 def dense_codec(attr):
@@ -42,8 +42,9 @@ class DenseOp(FoldOp):
         self.dequant_dtype = getattr(layer, "dequant_dtype", None)
         patch_dtype = getattr(layer, "patch_dtype", None)
         self.patch_dtype = dtype if patch_dtype == "target" else patch_dtype
-        # a type with a kernel (Q8_0, Q4_K, Q5_K, Q6_K), plain LoRA pairs at the pack's patch dtype: one kernel (on
-        # CUDA with Triton), through the pack's dequant dtype (float16 by default, "target": the model's)
+        # a type with a kernel (Q8_0, Q4_K, Q5_K, Q6_K), no patches or plain LoRA pairs at the pack's
+        # patch dtype: one kernel on CUDA with Triton, through the pack's dequant dtype (float16 by
+        # default, "target": the model's)
         self.type_name = self.codec.type_name(self.spec) if hasattr(self.codec, "type_name") else None
         self.kernel = self.type_name in FALLBACK_BYTES and (
             not self.patches or (self.patch_dtype is None and self.pairs is not None))

@@ -198,7 +198,7 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
     else:
         activation, source = 0, "no latent known"
     per_step = request.conds_per_step if request is not None else 1
-    folder = patcher.lora_folder(device)   # dense folds (GGUF) hold dense weights while a block computes
+    folder = patcher.block_folder_on(device)   # dense folds (GGUF) hold dense weights while a block computes
     return PlanInputs(
         block_sizes=tuple(s.layout.nbytes for s in engine.states),
         dense_bytes=tuple(folder.extra_bytes(s.index) for s in engine.states) if folder else (),

@@ -21,7 +21,7 @@ import torch
 import comfy.model_management
 import comfy.model_patcher
 
-from ...lora.fold import block_folder
+from ...lora.fold import BlockFolder, block_folder
 from ...swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ...swap.host_pool import set_pin_budget
 from ...swap.planner import NotEnoughVRAM, keep_attached
@@ -160,7 +160,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         may_code = compress_choice.may_code(self.ringswap.compress, device, engine.read_block is not None)
         if may_code:
             engine.coder_factory = compress_choice.coder_factory
-        folder = self.lora_folder(device)
+        folder = self.block_folder_on(device)
         engine.attach(device, plan.residency, self.ringswap.pin_memory,
                       owner=weakref.ref(self), on_land=folder, ram_blocks=ram_blocks,
                       progress=live_feed.progress_bar(), compress=compress, may_code=may_code,
@@ -221,7 +221,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             device = torch.device("cuda", torch.cuda.current_device())
         return device
 
-    def lora_folder(self, device: torch.device):
+    def block_folder_on(self, device: torch.device) -> BlockFolder | None:
         """The fold to run on each block as it lands: its LoRA patches, and the GGUF weights made
         dense on landing (lora/fold.py; None where there is neither). Cached per patches_uuid and
         device, so re-attaching with unchanged patches keeps the ring."""

@@ -248,7 +248,7 @@ def test_lora_on_gguf_folds_once_per_landing_and_equals_comfyui_gguf(gguf_dir, f
     base = load_gguf(name)
     for window, prefetch in ((1, 0), (2, 1), (BLOCKS, 1)):
         (model,) = RingSwapPatch().patch(lora_on(base, fmt), window, prefetch, "auto")
-        folder = model.lora_folder(model.load_device)
+        folder = model.block_folder_on(model.load_device)
         assert folder is not None and any(folder.extra_bytes(b) for b in range(BLOCKS)), "dense folds planned"
         for _ in range(2):
             got = forward(model, *inputs(seed=0))
@@ -293,7 +293,7 @@ def test_dense_folds_plan_the_packs_dequantize_temporaries(gguf_dir):
     for (qtype, with_lora), per_value in cases.items():
         base = load_gguf(f"wan_{qtype}_F32.gguf")
         (model,) = RingSwapPatch().patch(lora_on(base, "kohya") if with_lora else base, 1, 1, "auto")
-        folder = model.lora_folder(cuda)
+        folder = model.block_folder_on(cuda)
         if per_value is None:
             assert folder is None, qtype
             continue

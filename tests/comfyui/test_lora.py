@@ -263,7 +263,7 @@ def test_patches_at_strength_zero_fold_nothing(models, loras, swapped):
     base = swapped["fp32"]
     m = base.clone()
     m.add_patches(comfy.lora.load_lora(build_lora("kohya", blocks=BLOCKS), comfy.lora.model_lora_keys_unet(m.model, {})), 0.0)
-    assert m.patches and m.lora_folder(m.load_device) is None
+    assert m.patches and m.block_folder_on(m.load_device) is None
     assert torch.equal(forward(m, *inputs(seed=0)), forward(base, *inputs(seed=0)))
 
 
@@ -274,7 +274,7 @@ def test_fold_time_in_run_stats(models, loras, caplog, swapped):
         ksample(model, 3)
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap run:")]
     assert "fold on landing" in line and "ms per block" in line
-    assert isinstance(model.lora_folder(model.load_device), BlockFolder)
+    assert isinstance(model.block_folder_on(model.load_device), BlockFolder)
 
 
 # ----- bad input --------------------------------------------------------------------------

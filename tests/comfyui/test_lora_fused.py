@@ -22,7 +22,7 @@ def test_fused_fold_within_one_ulp_of_comfyui(tmp_path):
     base = {k: v.clone() for k, v in stock.model.state_dict().items()}
     weights = patched_weights(stock, from_diffusers_names(sd), 0.8, lambda k: k.startswith("diffusion_model.blocks."))
     model = apply_lora(load_swapped_model(path, SwapSettings(1, 1), home="ram"), sd, 0.8)
-    ops = [op for ops in model.lora_folder(torch.device("cpu")).ops.values() for op in ops]
+    ops = [op for ops in model.block_folder_on(torch.device("cpu")).ops.values() for op in ops]
     assert ops and all(isinstance(op, PlainOp) and op.pairs is not None for op in ops), "not all plain pairs"
     for op in ops:
         fused = CpuFusedOp(op.key, op.patches, 0, op.patch_dtype)
