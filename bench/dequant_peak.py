@@ -19,7 +19,7 @@ qt = getattr(gguf.GGMLQuantizationType, name)
 values, nbytes = gguf.GGML_QUANT_SIZES[qt]
 raw = np.random.default_rng(0).integers(0, 256, (m * n // values, nbytes), dtype=np.uint8)
 half = np.array([1e-3], dtype=np.float16).view(np.uint8)
-for at in {"Q6_K": (nbytes - 2,), "Q4_K": (0, 2), "Q5_K": (0, 2)}.get(name, (0,)):   # finite scales
+for at in {"Q6_K": (nbytes - 2,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q2_K": (nbytes - 4, nbytes - 2), "Q3_K": (nbytes - 2,)}.get(name, (0,)):   # finite fp16 fields
     raw[:, at:at + 2] = half
 data = torch.from_numpy(raw.reshape(m, -1).copy())
 torch.set_num_threads(1)
@@ -36,7 +36,7 @@ def main():
     ap.add_argument("--dequant", default=os.path.join(here, "..", ".comfyui", "custom_nodes", "ComfyUI-GGUF",
                                                        "dequant.py"))
     a = ap.parse_args()
-    for name in ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K"):
+    for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
         for mid in ("None", "bfloat16"):
             subprocess.run([sys.executable, "-c", CHILD, a.dequant, name, mid], check=True)
 

@@ -4,8 +4,8 @@ the landed weight is dequantized by its codec into the dtype the model computes 
 pack's layer does every forward), patched with `comfy.lora.calculate_weight` as the pack
 patches it, and bound in its place until the block's slot or buffer is refilled: once per
 landing instead of once per forward of every layer. Plain LoRA pairs on CUDA are added with
-FoldOp's fused addmm_, or for Q8_0 and Q4_K/Q5_K/Q6_K (the codec's `type_name`) dequantized and
-added in one kernel (lora/gguf_kernels.py), within one rounding of the pack's math. The quantized bytes
+FoldOp's fused addmm_, or for Q8_0, Q4_0/Q4_1/Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K (the codec's
+`type_name`) dequantized and added in one kernel (lora/gguf_kernels.py), within one rounding of the pack's math. The quantized bytes
 are never written."""
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from .fold_ops import FoldOp
 WORKSPACE_FLOATS = 4   # float32 temporaries of one weight while it is dequantized and patched
 # the types with a kernel, and the peak bytes a value of the pack's dequantize beyond the dense
 # weight, which the kernel's fallback needs (bench/dequant_peak.py, the larger of its two dtypes)
-FALLBACK_BYTES = {"Q8_0": 2.2, "Q4_K": 3.6, "Q5_K": 5.5, "Q6_K": 5.4}
-DEQUANT_BYTES = 8.7   # the most of the types without a kernel (Q5_0 8.7, Q4_0 3.2)
+FALLBACK_BYTES = {"Q8_0": 2.2, "Q4_0": 3.2, "Q4_1": 3.3, "Q5_0": 8.7, "Q5_1": 8.8, "Q4_K": 3.6, "Q5_K": 5.5,
+                  "Q6_K": 5.4}
+DEQUANT_BYTES = 8.5   # the most of the types without a kernel (IQ4_XS 8.5, IQ4_NL 8.2, Q3_K 5.6, Q2_K 3.6)
 
 
 def dense_codec(attr):
@@ -42,7 +43,7 @@ class DenseOp(FoldOp):
         self.dequant_dtype = getattr(layer, "dequant_dtype", None)
         patch_dtype = getattr(layer, "patch_dtype", None)
         self.patch_dtype = dtype if patch_dtype == "target" else patch_dtype
-        # a type with a kernel (Q8_0, Q4_K, Q5_K, Q6_K), no patches or plain LoRA pairs at the pack's
+        # a type with a kernel (Q8_0, Q4/Q5 _0 _1, Q4_K, Q5_K, Q6_K), no patches or plain LoRA pairs at the pack's
         # patch dtype: one kernel on CUDA with Triton, through the pack's dequant dtype (float16 by
         # default, "target": the model's)
         self.type_name = self.codec.type_name(self.spec) if hasattr(self.codec, "type_name") else None

@@ -15,7 +15,10 @@ from . import kernels
 from .kernels import TILES, Pairs, _launch, _usable, triton
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}   # triton.language names
-ROW_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}   # values, bytes of a GGML block
+ROW_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+             "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}   # values, bytes of a GGML block
+LEGACY = {"Q4_0": (18, False, False), "Q4_1": (20, False, True), "Q5_0": (22, True, False),
+          "Q5_1": (24, True, True)}   # _q4_q5_kernel's NBYTES, HIGH, MIN
 
 
 if triton is not None:
@@ -151,8 +154,42 @@ if triton is not None:
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _q4_q5_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr,
+                      NBYTES: tl.constexpr, HIGH: tl.constexpr, MIN: tl.constexpr):
+        """Q4_0 / Q4_1 / Q5_0 / Q5_1 rows (per 32 values: fp16 d, with MIN an fp16 m, with HIGH 4
+        bytes of fifth bits (bit j for value j), then 16 bytes of nibbles: value j < 16 in the low
+        nibble of byte j, value j + 16 in its high one). The pack's steps: d (and m) in MID, q the
+        nibble (| fifth bit << 4), minus 8 (16 with HIGH) without m, d * q rounded to MID, with m
+        plus m rounded, then to the output dtype."""
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        nb = tl.program_id(1) * (BN // 32) + tl.arange(0, BN // 32)
+        bmask = (rm[:, None] < M) & (nb[None, :] < N // 32)
+        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 32 * NBYTES) + (nb * NBYTES)[None, :]
+        d = _f16_at(blk, bmask).to(MID).to(tl.float32)
+        j = tl.arange(0, 32)[None, None, :]
+        vmask = bmask[:, :, None]
+        qs = blk[:, :, None] + (NBYTES - 16)
+        q = (tl.load(qs + (j % 16), mask=vmask, other=0).to(tl.int32) >> ((j // 16) * 4)) & 15
+        if HIGH:
+            bits = tl.load(blk[:, :, None] + (2 + 2 * MIN) + j // 8, mask=vmask, other=0).to(tl.int32)
+            q = q | (((bits >> (j % 8)) & 1) << 4)
+        if not MIN:
+            q = q - (8 + 8 * HIGH)
+        w = (d[:, :, None] * q.to(tl.float32)).to(MID)
+        if MIN:
+            m = _f16_at(blk + 2, bmask).to(MID).to(tl.float32)
+            w = (w.to(tl.float32) + m[:, :, None]).to(MID)
+        w = tl.reshape(w.to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
+        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
     KERNELS = {"Q8_0": ("q8_0", _q8_0_kernel), "Q4_K": ("q4_k", _q4_k_kernel), "Q5_K": ("q5_k", _q5_k_kernel),
-               "Q6_K": ("q6_k", _q6_k_kernel)}
+               "Q6_K": ("q6_k", _q6_k_kernel), "Q4_0": ("q4_0", _q4_q5_kernel), "Q4_1": ("q4_1", _q4_q5_kernel),
+               "Q5_0": ("q5_0", _q4_q5_kernel), "Q5_1": ("q5_1", _q4_q5_kernel)}
 else:
     KERNELS = {}
 
@@ -179,9 +216,10 @@ def dense(type_name: str, blocks: torch.Tensor, shape: tuple[int, ...], dtype: t
         return None
     out = torch.empty(m, n, dtype=dtype, device=blocks.device)
     bm, bn, warps = TILES[name]
+    legacy = dict(zip(("NBYTES", "HIGH", "MIN"), LEGACY[type_name])) if type_name in LEGACY else {}
     lora = (pairs.up, pairs.down, pairs.scales) if pairs is not None else (out, out, out)
     ran = _launch(name, blocks, kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), (blocks, out, *lora, m, n), ({},),
                   dict(MID=getattr(tl, DTYPES[mid]), RANK=pairs.rank if pairs is not None else 0, BM=bm, BN=bn,
                        BR=pairs.br if pairs is not None else 32, PREC=pairs.prec if pairs is not None else None,
-                       num_warps=warps))
+                       num_warps=warps, **legacy))
     return out if ran else None

@@ -74,7 +74,7 @@ def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype, other):
         qkv = next(a for a in engine.states[0].layout.attrs if (a.path, a.name) == ("self_attn.q", "weight"))
         entry = engine.states[0].layout.entries[qkv.entries[0]]
         assert entry.dtype == torch.uint8 and qkv.codec is not None, "the block weight travels as GGUF bytes"
-        # the pack's dequantize of Q5_0, Q4_0 and Q4_K waits for the stream: made dense on landing instead
+        # the pack's dequantize of every type here but Q8_0 waits for the stream: made dense on landing instead
         dense = model.ringswap_run.plan.inputs.dense_bytes
         assert any(dense) == (qtype != "Q8_0"), (qtype, dense)
         comfy.model_management.unload_all_models()
@@ -283,23 +283,24 @@ def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir, caplog):
 
 def test_dense_folds_plan_the_packs_dequantize_temporaries(gguf_dir):
     """Which weights are made dense on landing, and the device bytes planned for one fold's
-    temporaries on CUDA (its own fallback: the pack's dequantize, bench/dequant_peak.py): without
-    a LoRA only the types whose dequantize waits for the stream (Q4_K 3.6 bytes a value where its
-    kernel may fall back, Q5_0 8.7), none for Q8_0; with plain LoRA pairs Q8_0 2.2 and Q4_K 3.6;
-    with pairs on a type without a kernel, four float32. The largest weight is 128 x 256."""
+    temporaries on CUDA (where its kernel may fall back: the pack's dequantize,
+    bench/dequant_peak.py): without a LoRA only the types whose dequantize waits for the stream
+    (Q4_K 3.6 bytes a value, Q5_0 8.7), none for Q8_0; with plain LoRA pairs (kohya) Q8_0 2.2,
+    Q4_K 3.6, Q5_0 8.7; with patches no kernel takes (LoHa), four float32. The largest weight
+    is 128 x 256."""
     cuda, largest = torch.device("cuda"), 128 * 256
-    cases = {("Q8_0", False): None, ("Q4_K", False): 3.6, ("Q5_0", False): 8.7,
-             ("Q8_0", True): 2.2, ("Q4_K", True): 3.6, ("Q5_0", True): 16}
-    for (qtype, with_lora), per_value in cases.items():
+    cases = {("Q8_0", None): None, ("Q4_K", None): 3.6, ("Q5_0", None): 8.7, ("Q8_0", "kohya"): 2.2,
+             ("Q4_K", "kohya"): 3.6, ("Q5_0", "kohya"): 8.7, ("Q5_0", "loha"): 16}
+    for (qtype, lora), per_value in cases.items():
         base = load_gguf(f"wan_{qtype}_F32.gguf")
-        (model,) = RingSwapPatch().patch(lora_on(base, "kohya") if with_lora else base, 1, 1, "auto")
+        (model,) = RingSwapPatch().patch(lora_on(base, lora) if lora else base, 1, 1, "auto")
         folder = model.block_folder_on(cuda)
         if per_value is None:
             assert folder is None, qtype
             continue
         types = {op.type_name for ops in folder.ops.values() for op in ops}
-        assert types == ({"Q8_0", "Q4_K"} if qtype == "Q4_K" and with_lora else {qtype}), (qtype, with_lora, types)
-        assert folder.workspace_bytes(cuda) == math.ceil(largest * per_value), (qtype, with_lora)
+        assert types == ({"Q8_0", "Q4_K"} if qtype == "Q4_K" and lora else {qtype}), (qtype, lora, types)
+        assert folder.workspace_bytes(cuda) == math.ceil(largest * per_value), (qtype, lora)
         assert folder.writes_blocks is False, "dense folds leave the packed bytes as placed"
     comfy.model_management.unload_all_models()
 

@@ -115,7 +115,7 @@ def gguf_blocks(qtype, m, n, seed, offset=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     buf = torch.randint(0, 256, (m * n // values * nbytes + offset,), device=DEV, generator=g, dtype=torch.uint8)
     blocks = buf[offset:].view(-1, nbytes)
-    for at in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(qtype, (0,)):   # d (and dmin)
+    for at in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}.get(qtype, (0,)):   # d (m)
         scale = (torch.rand(blocks.shape[0], 1, device=DEV, generator=g) - 0.5) * 0.004
         blocks[:, at:at + 2] = scale.half().view(torch.uint8)
     return buf[offset:].view(m, -1)
@@ -137,7 +137,9 @@ GGUF_CASES = [("Q8_0", (384, 640), (64,), torch.bfloat16, 0), ("Q8_0", (300, 224
               ("Q4_K", (300, 512), (16, 8), torch.float16, 3), ("Q4_K", (5120, 13824), (64,), torch.bfloat16, 0),
               ("Q5_K", (384, 768), (64,), torch.bfloat16, 0), ("Q5_K", (300, 512), (16, 8), torch.float16, 1),
               ("Q6_K", (384, 768), (64,), torch.bfloat16, 0), ("Q6_K", (300, 512), (16, 8), torch.float16, 5),
-              ("Q6_K", (5120, 13824), (64,), torch.bfloat16, 0)]
+              ("Q6_K", (5120, 13824), (64,), torch.bfloat16, 0), ("Q4_0", (384, 640), (64,), torch.bfloat16, 0),
+              ("Q4_1", (300, 224), (16, 8), torch.float16, 1), ("Q5_0", (384, 640), (64,), torch.bfloat16, 3),
+              ("Q5_1", (300, 224), (16, 8), torch.float16, 0)]
 
 
 @pytest.mark.parametrize("qtype,shape,ranks,ldtype,offset", GGUF_CASES)
