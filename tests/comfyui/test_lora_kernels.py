@@ -142,9 +142,13 @@ GGUF_CASES = [("Q8_0", (384, 640), (64,), torch.bfloat16, 0), ("Q8_0", (300, 224
               ("Q5_1", (300, 224), (16, 8), torch.float16, 0)]
 
 
-@pytest.mark.parametrize("qtype,shape,ranks,ldtype,offset", GGUF_CASES)
-@pytest.mark.parametrize("dtype,mid", [(torch.bfloat16, torch.float16), (torch.float16, torch.float16),
-                                       (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)])
+DTYPES_MID = [(torch.bfloat16, torch.float16), (torch.float32, torch.float32), (torch.float16, torch.float16),
+              (torch.bfloat16, torch.bfloat16)]   # (the model's dtype, the pack's dequant dtype)
+
+
+@pytest.mark.parametrize("qtype,shape,ranks,ldtype,offset,dtype,mid",
+                         [c + dm for c in GGUF_CASES
+                          for dm in (DTYPES_MID if c[0] in ("Q8_0", "Q4_K", "Q6_K") else DTYPES_MID[:2])])
 def test_dense_gguf_equals_the_packs_dequantize(qtype, shape, ranks, ldtype, offset, dtype, mid):
     """Without pairs the kernel equals ComfyUI-GGUF's dequantize (each step in the dequant dtype,
     then to the model's dtype) bit for bit, rows at any byte offset; with pairs it is that
