@@ -83,8 +83,8 @@ def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype, other):
 @pytest.mark.parametrize("family,arch", [("wan_vace", "wan"), ("flux", "flux")])
 def test_gguf_vace_and_flux_patched_equal_comfyui_gguf(tmp_path, family, arch):
     """Wan VACE (vace blocks interleaved, learned order) and Flux (double and single blocks)
-    GGUF files through Unet Loader (GGUF): RingSwap Patch at windows 1, 2 and all equals the
-    pack's own run bit for bit, two calls on different inputs each."""
+    GGUF files (Q5_0: made dense on landing) through Unet Loader (GGUF): RingSwap Patch at windows
+    1, 2 and all equals the pack's own run bit for bit, two calls on different inputs each."""
     from support import family_files as ffs
     from support import family_models as fm
     ff = ffs.BY_NAME[family]
@@ -94,7 +94,7 @@ def test_gguf_vace_and_flux_patched_equal_comfyui_gguf(tmp_path, family, arch):
     if ffs.unsupported(ff, src):
         pytest.skip(f"{family}: {ffs.unsupported(ff, src)}")
     name = f"gguf_{family}.gguf"
-    write_wan_gguf(src, str(tmp_path / name), "Q8_0", "F32", arch=arch)
+    write_wan_gguf(src, str(tmp_path / name), "Q5_0", "F32", arch=arch)   # made dense on landing
     folder_paths.add_model_folder_path("diffusion_models", str(tmp_path))
     try:
         stock = load_gguf(name)
@@ -109,6 +109,7 @@ def test_gguf_vace_and_flux_patched_equal_comfyui_gguf(tmp_path, family, arch):
             assert model.swap_engine.num_blocks == blocks
             for x, w in zip(xs, want):
                 assert torch.equal(fm.forward(model, *x), w), (family, window, prefetch)
+            assert any(model.ringswap_run.plan.inputs.dense_bytes), "Q5_0 is made dense on landing"
             comfy.model_management.unload_all_models()
     finally:
         folder_paths.folder_names_and_paths["diffusion_models"][0].remove(str(tmp_path))
