@@ -70,6 +70,11 @@ class BlockFolder:
         return sum(op.nbytes for op in self._dense.get(block, ()))
 
     @property
+    def dense_unpatched(self) -> bool:
+        """Are some weights made dense on landing without patches (optional: they can stay packed)?"""
+        return any(not op.patches for ops in self._dense.values() for op in ops)
+
+    @property
     def writes_blocks(self) -> bool:
         """Does any fold write a block's own tensors? (Dense folds only hand back new ones.)"""
         return any(self._in_place.values())
@@ -123,14 +128,15 @@ def _add_dense_on_land(blocks: SwappedBlocks, ops: dict[int, list[FoldOp]], comp
 
 
 def block_folder(blocks: SwappedBlocks, patches_by_key: dict,
-                 patch_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32
-                 ) -> BlockFolder | None:
+                 patch_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype = torch.float32,
+                 dense_on_land: bool = True) -> BlockFolder | None:
     """The per-landing fold of the block patches among `patches_by_key` (a patcher's
     `patches`) and of the packed weights made dense on landing without patches, or None if
     there is neither. `patch_dtype`: what ComfyUI patches
     plain weights in on the fold's device (float32, or 0.33's `lora_compute_dtype`);
-    `compute_dtype`: what the model's layers compute in (the dtype of a dense fold). Raises
-    ValueError for a patch that cannot apply (e.g. a shape mismatch)."""
+    `compute_dtype`: what the model's layers compute in (the dtype of a dense fold);
+    `dense_on_land` False: unpatched weights stay packed. Raises ValueError for a patch that
+    cannot apply (e.g. a shape mismatch)."""
     ops: dict[int, list[FoldOp]] = {}
     index_cache: dict[int, dict[str, int]] = {}
     left_out: list[str] = []
@@ -167,7 +173,8 @@ def block_folder(blocks: SwappedBlocks, patches_by_key: dict,
     if left_out:
         log.info("RingSwap LoRA: %d patched block tensors are left out, as ComfyUI's own loader leaves them "
                  "out (parameters of non-leaf modules, buffers), e.g. %s", len(left_out), left_out[0])
-    _add_dense_on_land(blocks, ops, compute_dtype)
+    if dense_on_land:
+        _add_dense_on_land(blocks, ops, compute_dtype)
     if not ops:
         return None
     folder = BlockFolder(ops)

@@ -23,7 +23,7 @@ import torch
 import comfy.patcher_extension
 
 from ...swap.plan import ResidencyPlan
-from ...swap.planner import PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
+from ...swap.planner import NotEnoughVRAM, PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
 from ...swap.recovery import run_call
 from . import comfy_features as features
 from . import compress_choice, live_feed, ram_room
@@ -230,7 +230,18 @@ def plan_for_load(patcher, device: torch.device, full_load: bool) -> WindowPlan:
     def plan(copy_bound: bool) -> WindowPlan:
         return plan_step(plan_inputs(patcher, device, free, request, window, per_step, copy_bound),
                          plan_inputs(patcher, device, free, request, window, 1, copy_bound))
-    chosen = plan(False)
+    run = patcher.ringswap_run
+    run.packed_only = False
+    try:
+        chosen = plan(False)
+    except NotEnoughVRAM as e:
+        folder = patcher.block_folder_on(device)
+        if folder is None or not folder.dense_unpatched:
+            raise
+        run.packed_only = True   # the weights made dense on landing are optional: packed, in their layers
+        chosen = plan(False)
+        log.info("RingSwap: GGUF weights made dense on landing do not fit (%s); they stay packed in "
+                 "their layers for this load", str(e).splitlines()[0])
     if chosen.bound == "copy-bound" and settings.compress == "auto":   # auto may code: its scratch counts
         chosen = plan(True)
     return dataclasses.replace(chosen, automatic=not settings.window)

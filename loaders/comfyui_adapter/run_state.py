@@ -1,5 +1,5 @@
 """Where a model's swap run keeps its state: a `RunState` on each SwapModelPatcher (its own
-plan, request and LoRA folder) and the `SwapState` on the diffusion model (shared by all
+plan, request and fold) and the `SwapState` on the diffusion model (shared by all
 patchers of that model, as `ringswap_state`)."""
 from __future__ import annotations
 
@@ -25,10 +25,13 @@ class RunState:
     """The plan of the current load (shrunk after out-of-memory, re-planned by rates)."""
     request: RunRequest | None = None
     """What the current sampling run asks of the model (set by PREPARE_SAMPLING)."""
-    folder_key: tuple[uuid.UUID, torch.device] | None = None
-    """(patches_uuid, device) that `folder` was made for; None before one was made."""
+    folder_key: tuple[uuid.UUID, torch.device, bool] | None = None
+    """(patches_uuid, device, dense on landing) that `folder` was made for; None before one was made."""
     folder: BlockFolder | None = None
-    """The cached LoRA fold run on each block as it lands (None without block patches)."""
+    """The cached fold run on each block as it lands (LoRA patches, GGUF weights made dense; or None)."""
+    packed_only: bool = False
+    """Unpatched GGUF weights stay packed in their layers this load: made dense on landing, the
+    plan did not fit (lora/fold.py block_folder's `dense_on_land`)."""
     reloading: bool = False
     """ComfyUI is loading this patcher again (is_clone(self)): its next detach keeps the blocks."""
 

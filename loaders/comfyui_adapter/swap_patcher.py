@@ -223,12 +223,14 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def block_folder_on(self, device: torch.device) -> BlockFolder | None:
         """The fold to run on each block as it lands: its LoRA patches, and the GGUF weights made
-        dense on landing (lora/fold.py; None where there is neither). Cached per patches_uuid and
-        device, so re-attaching with unchanged patches keeps the ring."""
-        run, key = self.ringswap_run, (self.patches_uuid, device)
+        dense on landing unless this load keeps them packed (lora/fold.py; None where there is
+        neither). Cached per patches_uuid and device, so re-attaching with unchanged patches keeps
+        the ring."""
+        run = self.ringswap_run
+        key = (self.patches_uuid, device, not run.packed_only)
         if run.folder_key != key:
             run.folder = block_folder(self.swap_state, self.patches, features.lora_patch_dtype(device),
-                                      features.inference_dtype(self.model))
+                                      features.inference_dtype(self.model), dense_on_land=not run.packed_only)
             run.folder_key = key
         return run.folder
 

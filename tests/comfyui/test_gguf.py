@@ -1,6 +1,7 @@
 """GGUF models (city96's ComfyUI-GGUF, the real pack from ../shared) block-swapped by RingSwap
 Patch: the Unet Loader (GGUF) MODEL streams its quantized blocks in their GGUF bytes and the
 output equals ComfyUI-GGUF's own run bit for bit."""
+import logging
 import math
 import os
 
@@ -304,6 +305,40 @@ def test_dense_folds_plan_the_packs_dequantize_temporaries(gguf_dir):
         assert folder.workspace_bytes(cuda) == math.ceil(largest * per_value), (qtype, lora)
         assert folder.writes_blocks is False, "dense folds leave the packed bytes as placed"
     comfy.model_management.unload_all_models()
+
+
+def test_weights_made_dense_on_landing_stay_packed_where_only_that_fits(gguf_dir, caplog):
+    """Under a VRAM budget that holds the ring of packed blocks but not their dense weights, a
+    K-quant model without a LoRA keeps its weights packed in the pack's layers (one log line
+    says so) and equals the pack's run bit for bit; with room for them they are made dense on
+    landing again. A type never made dense (Q8_0) has nothing to give way: NotEnoughVRAM."""
+    from ringswap.swap.planner import NotEnoughVRAM
+    cpu, name = torch.device("cpu"), "wan_Q4_K_F32.gguf"
+    want = forward(load_gguf(name), *inputs(seed=0))
+    comfy.model_management.unload_all_models()
+    base = load_gguf(name)
+
+    def planned(budget_kb, model=base):
+        (m,) = RingSwapPatch().patch(model, 0, 1, "auto", vram_budget_gb=budget_kb / 1e6)
+        try:
+            return m, run_plan.plan_for_load(m, cpu, False)
+        except NotEnoughVRAM:
+            return m, None
+    budgets = range(500, 20000, 50)
+    first = next(kb for kb in budgets if planned(kb)[1] is not None)
+    model, plan = planned(first)
+    assert model.ringswap_run.packed_only and not any(plan.inputs.dense_bytes), "only packed weights fit"
+    dense_kb = next(kb for kb in budgets if kb > first and not planned(kb)[0].ringswap_run.packed_only)
+    model, plan = planned(dense_kb)
+    assert any(plan.inputs.dense_bytes) and model.block_folder_on(cpu).dense_unpatched
+    (model,) = RingSwapPatch().patch(base, 0, 1, "auto", vram_budget_gb=first / 1e6)
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        assert torch.equal(forward(model, *inputs(seed=0)), want)
+    assert any("stay packed in their layers" in r.getMessage() for r in caplog.records)
+    assert model.ringswap_run.packed_only and model.block_folder_on(cpu) is None
+    comfy.model_management.unload_all_models()
+    q8 = load_gguf("wan_Q8_0_F32.gguf")
+    assert planned(first - 600, q8)[1] is None, "no optional dense weights: the budget is too small"
 
 
 @pytest.mark.server
