@@ -194,11 +194,6 @@ else:
     KERNELS = {}
 
 
-def has_kernel(type_name: str) -> bool:
-    """Is there a kernel for this GGML type (where Triton is installed at all)?"""
-    return type_name in KERNELS
-
-
 def dense(type_name: str, blocks: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, mid: torch.dtype,
           pairs: Pairs | None) -> torch.Tensor | None:
     """The dense [M, N] weight in `dtype` of GGUF bytes `blocks` (uint8) of type `type_name`,
