@@ -290,6 +290,8 @@ def test_dense_folds_plan_the_packs_dequantize_temporaries(gguf_dir):
     (Q4_K 3.6 bytes a value, Q5_0 8.7), none for Q8_0; with plain LoRA pairs (kohya) Q8_0 2.2,
     Q4_K 3.6, Q5_0 8.7; with patches no kernel takes (LoHa), four float32. The largest weight
     is 128 x 256."""
+    from ringswap.lora import dense_fold, gguf_kernels
+    assert set(dense_fold.FALLBACK_BYTES) == set(gguf_kernels.ROW_BYTES), "a planned fallback for each kernel"
     cuda, largest = torch.device("cuda"), 128 * 256
     cases = {("Q8_0", None): None, ("Q4_K", None): 3.6, ("Q5_0", None): 8.7, ("Q8_0", "kohya"): 2.2,
              ("Q4_K", "kohya"): 3.6, ("Q5_0", "kohya"): 8.7, ("Q5_0", "loha"): 16}
