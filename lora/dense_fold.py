@@ -9,6 +9,7 @@ FoldOp's fused addmm_, or for Q8_0, Q4_0/Q4_1/Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K (the 
 are never written."""
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -18,12 +19,15 @@ import comfy.lora
 from . import gguf_kernels, kernels
 from .fold_ops import FoldOp
 
+log = logging.getLogger("ringswap.dense_fold")
+
 WORKSPACE_FLOATS = 4   # float32 temporaries of one weight while it is dequantized and patched
 # the types with a kernel, and the peak bytes a value of the pack's dequantize beyond the dense
 # weight, which the kernel's fallback needs (bench/dequant_peak.py, the larger of its two dtypes)
 FALLBACK_BYTES = {"Q8_0": 2.2, "Q4_0": 3.2, "Q4_1": 3.3, "Q5_0": 8.7, "Q5_1": 8.8, "Q4_K": 3.6, "Q5_K": 5.5,
                   "Q6_K": 5.4}
 DEQUANT_BYTES = 8.5   # the most of the types without a kernel (IQ4_XS 8.5, IQ4_NL 8.2, Q3_K 5.6, Q2_K 3.6)
+_KERNEL_OK: dict = {}   # (type, dequant dtype, model dtype, device) -> the kernel equals the pack's dequantize there
 
 
 def dense_codec(attr):
@@ -55,7 +59,7 @@ class DenseOp(FoldOp):
 
     def __call__(self, tensors) -> torch.Tensor:
         parts = [tensors[i] for i in self.entries]
-        if self.kernel and kernels.enabled(parts[0].device):
+        if self.kernel and kernels.enabled(parts[0].device) and self._kernel_matches(parts):
             pairs = self.kernel_pairs(parts[0]) if self.patches else None
             w = gguf_kernels.dense(self.type_name, parts[0], self.shape, self.dtype, self.kernel_mid, pairs)
             if w is not None:
@@ -68,6 +72,24 @@ class DenseOp(FoldOp):
         if self.patch_dtype is None:
             return comfy.lora.calculate_weight(self.patches, w, self.key)
         return comfy.lora.calculate_weight(self.patches, w, self.key, self.patch_dtype)
+
+    def _kernel_matches(self, parts: list[torch.Tensor]) -> bool:
+        """Does this type's kernel give the pack's dequantize bit for bit on this device, for this
+        dequant dtype and output dtype? Checked once per process on the first weight that asks
+        (this one, without pairs): a GPU or Triton build that rounds otherwise gets the pack's
+        code, with one warning, never other weights."""
+        key = (self.type_name, self.kernel_mid, self.dtype, parts[0].device)
+        if key not in _KERNEL_OK:
+            got = gguf_kernels.dense(self.type_name, parts[0], self.shape, self.dtype, self.kernel_mid, None)
+            if got is None:   # cannot run here: the caller falls back on its own
+                return True
+            same = torch.equal(got, self.codec.dequantize(self.spec, parts, self.dtype, self.dequant_dtype))
+            _KERNEL_OK[key] = same
+            if not same:
+                log.warning("RingSwap: the %s kernel differs from ComfyUI-GGUF's dequantize on %s (dequant %s, "
+                            "model %s); using the pack's code for these weights", self.type_name, parts[0].device,
+                            self.kernel_mid, self.dtype)
+        return _KERNEL_OK[key]
 
     def workspace_bytes(self, device: torch.device) -> int:
         """Device bytes of this fold's temporaries: where a kernel folds it on CUDA it needs none

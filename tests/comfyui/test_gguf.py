@@ -4,6 +4,7 @@ output equals ComfyUI-GGUF's own run bit for bit."""
 import logging
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -343,6 +344,44 @@ def test_weights_made_dense_on_landing_stay_packed_where_only_that_fits(gguf_dir
     assert planned(first - 600, q8)[1] is None, "no optional dense weights: the budget is too small"
 
 
+def test_a_kernel_is_used_only_where_it_equals_the_packs_dequantize(gguf_dir, monkeypatch, caplog):
+    """The first weight of a type asks whether its kernel equals ComfyUI-GGUF's dequantize on this
+    device (dequant and model dtypes too): a stand-in that does (the pack's own math) is then used
+    at every landing; one that does not (zeros: a GPU or Triton build that rounds otherwise) is
+    warned about once and never used, and the run still equals the pack's bit for bit."""
+    import gguf
+    from ringswap.lora import dense_fold, gguf_kernels
+    name = "wan_Q4_K_F32.gguf"
+    want = forward(load_gguf(name), *inputs(seed=0))
+    comfy.model_management.unload_all_models()
+    dequant = sys.modules[PACK.__name__ + ".dequant"]
+    calls: list[str] = []
+
+    def packs_math(type_name, blocks, shape, dtype, mid, pairs):
+        calls.append(type_name)
+        qt = getattr(gguf.GGMLQuantizationType, type_name)
+        return dequant.dequantize(blocks, qt, shape, dtype=None if mid == torch.float16 else mid).to(dtype)
+
+    def zeros(type_name, blocks, shape, dtype, mid, pairs):
+        calls.append(type_name)
+        return torch.zeros(shape, dtype=dtype)
+    monkeypatch.setattr(kernels, "enabled", lambda device: True)
+    for stand_in, used in ((packs_math, True), (zeros, False)):
+        monkeypatch.setattr(gguf_kernels, "dense", stand_in)
+        monkeypatch.setattr(dense_fold, "_KERNEL_OK", {})
+        calls.clear()
+        caplog.clear()
+        (model,) = RingSwapPatch().patch(load_gguf(name), 1, 1, "auto")
+        with caplog.at_level(logging.WARNING, logger="ringswap"):
+            for _ in range(2):
+                assert torch.equal(forward(model, *inputs(seed=0)), want), stand_in.__name__
+        warned = [r for r in caplog.records if "differs from ComfyUI-GGUF's dequantize" in r.getMessage()]
+        assert (len(calls) > 2 * BLOCKS, len(warned)) == ((True, 0) if used else (False, 1)), (stand_in.__name__, calls)
+        (key, ok), = dense_fold._KERNEL_OK.items()   # one check: one type, dequant and model dtype, device
+        assert (key[0], key[1], key[3], ok) == ("Q4_K", torch.float16, torch.device("cpu"), used), key
+        comfy.model_management.unload_all_models()
+
+
 @pytest.mark.server
 def test_gguf_workflow_over_http_equals_comfyui_gguf(shared_models, shared_server):
     """As a user would: Unet Loader (GGUF) [-> LoraLoaderModelOnly] -> KSampler vs the same
@@ -415,3 +454,5 @@ def test_gguf_on_cuda_bit_exact_and_lora_close(gguf_dir, qtype):
     # the Q4_K file's linears whose rows are not whole super-blocks are Q8_0
     for kind in {"q8_0", qtype.lower()}:
         assert any(name == kind for name, _ in kernels._BUILT), f"{kind} dequantized and patched in one kernel"
+    from ringswap.lora import dense_fold
+    assert dense_fold._KERNEL_OK and all(dense_fold._KERNEL_OK.values()), dense_fold._KERNEL_OK
