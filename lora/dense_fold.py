@@ -4,9 +4,9 @@ the landed weight is dequantized by its codec into the dtype the model computes 
 pack's layer does every forward), patched with `comfy.lora.calculate_weight` as the pack
 patches it, and bound in its place until the block's slot or buffer is refilled: once per
 landing instead of once per forward of every layer. Plain LoRA pairs on CUDA are added with
-FoldOp's fused addmm_, or for Q8_0, Q4_0/Q4_1/Q5_0/Q5_1 and Q4_K/Q5_K/Q6_K (the codec's
-`type_name`) dequantized and added in one kernel (lora/gguf_kernels.py), within one rounding of the pack's math. The quantized bytes
-are never written."""
+FoldOp's fused addmm_, or, for the types lora/gguf_kernels.py has a kernel for (the codec's
+`type_name`), dequantized and added in one kernel, within one rounding of the pack's math. The
+quantized bytes are never written."""
 from __future__ import annotations
 
 import logging
@@ -47,9 +47,9 @@ class DenseOp(FoldOp):
         self.dequant_dtype = getattr(layer, "dequant_dtype", None)
         patch_dtype = getattr(layer, "patch_dtype", None)
         self.patch_dtype = dtype if patch_dtype == "target" else patch_dtype
-        # a type with a kernel (Q8_0, Q4/Q5 _0 _1, Q4_K, Q5_K, Q6_K), no patches or plain LoRA pairs at the pack's
-        # patch dtype: one kernel on CUDA with Triton, through the pack's dequant dtype (float16 by
-        # default, "target": the model's)
+        # a type with a kernel (FALLBACK_BYTES), no patches or plain LoRA pairs at the pack's patch
+        # dtype: one kernel on CUDA with Triton, through the pack's dequant dtype (float16 by default,
+        # "target": the model's)
         self.type_name = self.codec.type_name(self.spec) if hasattr(self.codec, "type_name") else None
         self.kernel = self.type_name in FALLBACK_BYTES and (
             not self.patches or (self.patch_dtype is None and self.pairs is not None))

@@ -17,8 +17,9 @@ from .kernels import TILES, Pairs, _launch, _usable, triton
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}   # triton.language names
 ROW_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
              "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24)}   # values, bytes of a GGML block
-LEGACY = {"Q4_0": (18, False, False), "Q4_1": (20, False, True), "Q5_0": (22, True, False),
-          "Q5_1": (24, True, True)}   # _q4_q5_kernel's NBYTES, HIGH, MIN
+LAYOUT = {"Q4_0": dict(NBYTES=18, HIGH=False, MIN=False), "Q4_1": dict(NBYTES=20, HIGH=False, MIN=True),
+          "Q5_0": dict(NBYTES=22, HIGH=True, MIN=False), "Q5_1": dict(NBYTES=24, HIGH=True, MIN=True),
+          "Q4_K": dict(NBYTES=144, HIGH=False), "Q5_K": dict(NBYTES=176, HIGH=True)}   # a shared kernel's constants
 
 
 if triton is not None:
@@ -34,6 +35,16 @@ if triton is not None:
         return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _store(w, rm, rn, M, N, out_ptr, up_ptr, down_ptr, scales_ptr, RANK: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
+        """A tile's dequantized values (in the dequant dtype, any shape of BM x BN) to the output
+        dtype, plus the pairs' float32 delta rounded once, stored as rows rm, columns rn."""
+        w = tl.reshape(w.to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
+        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _q8_0_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
         """Q8_0 rows (per 32 values: an fp16 scale d, then 32 int8 q). The pack's steps: d in
@@ -47,10 +58,7 @@ if triton is not None:
         d = _f16_at(blk, bmask).to(MID).to(tl.float32)
         q = tl.load(blk[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=bmask[:, :, None], other=0)
         w = d[:, :, None] * q.to(tl.int8, bitcast=True).to(tl.float32)   # exact in float32
-        w = tl.reshape(w.to(MID).to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
-        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+        _store(w.to(MID), rm, rn, M, N, out_ptr, up_ptr, down_ptr, scales_ptr, RANK, BM, BN, BR, PREC)
 
     @triton.jit
     def _scale_min_k4(blk, g, gmask):
@@ -65,13 +73,15 @@ if triton is not None:
         return sc, mn
 
     @triton.jit
-    def _q4_k_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
-        """Q4_K rows (per 256 values: fp16 d and dmin, 12 bytes of 6-bit scales and mins for its
-        eight 32-value groups, 128 bytes of 4-bit q: groups 2c and 2c + 1 in the low and high
-        nibbles of bytes 32c..32c + 31). The pack's steps (dequantize_blocks_Q4_K): d and dmin in
-        MID, d * scale and dmin * min rounded to MID, (d * scale) * q rounded, minus dmin * min
-        rounded, then to the output dtype. Each product is exact in float32 and float32 holds
+    def _q4_q5_k_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr,
+                        NBYTES: tl.constexpr, HIGH: tl.constexpr):
+        """Q4_K / Q5_K rows (per 256 values: fp16 d and dmin, 12 bytes of 6-bit scales and mins for
+        its eight 32-value groups, with HIGH (Q5_K) 32 bytes of fifth bits (bit g of byte l for
+        value l of group g), then 128 bytes of 4-bit q: groups 2c and 2c + 1 in the low and high
+        nibbles of bytes 32c..32c + 31). The pack's steps (dequantize_blocks_Q4_K / Q5_K): d and
+        dmin in MID, d * scale and dmin * min rounded to MID, (d * scale) * q rounded, minus dmin *
+        min rounded, then to the output dtype. Each product is exact in float32 and float32 holds
         twice MID's precision and more, so one rounding from float32 is torch's rounding."""
         G: tl.constexpr = BN // 32   # 32-value groups in a tile's row
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -79,50 +89,22 @@ if triton is not None:
         grp = tl.program_id(1) * G + tl.arange(0, G)
         g = grp % 8
         gmask = (rm[:, None] < M) & (grp[None, :] < N // 32)
-        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 256 * 144) + ((grp // 8) * 144)[None, :]
-        d = _f16_at(blk, gmask).to(MID).to(tl.float32)
-        dmin = _f16_at(blk + 2, gmask).to(MID).to(tl.float32)
-        sc, mn = _scale_min_k4(blk, g, gmask)
-        dsc = (d * sc.to(tl.float32)).to(MID).to(tl.float32)
-        dm = (dmin * mn.to(tl.float32)).to(MID).to(tl.float32)
-        qb = tl.load(blk[:, :, None] + 16 + ((g // 2) * 32)[None, :, None] + tl.arange(0, 32)[None, None, :],
-                     mask=gmask[:, :, None], other=0).to(tl.int32)
-        q = (qb >> ((g % 2) * 4)[None, :, None]) & 15
-        w = (dsc[:, :, None] * q.to(tl.float32)).to(MID).to(tl.float32)
-        w = (w - dm[:, :, None]).to(MID)
-        w = tl.reshape(w.to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
-        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _q5_k_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, PREC: tl.constexpr):
-        """Q5_K rows (per 256 values: fp16 d and dmin, the 12 scale bytes of Q4_K, 32 bytes of
-        fifth bits (bit g of byte l for value l of group g), 128 bytes of low nibbles laid out as
-        Q4_K's). The pack's steps are Q4_K's with q = low nibble | fifth bit << 4."""
-        G: tl.constexpr = BN // 32
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        grp = tl.program_id(1) * G + tl.arange(0, G)
-        g = grp % 8
-        gmask = (rm[:, None] < M) & (grp[None, :] < N // 32)
-        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 256 * 176) + ((grp // 8) * 176)[None, :]
+        blk = q_ptr + rm[:, None].to(tl.int64) * (N // 256 * NBYTES) + ((grp // 8) * NBYTES)[None, :]
         d = _f16_at(blk, gmask).to(MID).to(tl.float32)
         dmin = _f16_at(blk + 2, gmask).to(MID).to(tl.float32)
         sc, mn = _scale_min_k4(blk, g, gmask)
         dsc = (d * sc.to(tl.float32)).to(MID).to(tl.float32)
         dm = (dmin * mn.to(tl.float32)).to(MID).to(tl.float32)
         lane = tl.arange(0, 32)[None, None, :]
-        lo = tl.load(blk[:, :, None] + 48 + ((g // 2) * 32)[None, :, None] + lane, mask=gmask[:, :, None], other=0)
-        hi = tl.load(blk[:, :, None] + 16 + lane, mask=gmask[:, :, None], other=0)
-        q = ((lo.to(tl.int32) >> ((g % 2) * 4)[None, :, None]) & 15) | (((hi.to(tl.int32) >> g[None, :, None]) & 1) << 4)
+        vmask = gmask[:, :, None]
+        lo = tl.load(blk[:, :, None] + (16 + 32 * HIGH) + ((g // 2) * 32)[None, :, None] + lane, mask=vmask, other=0)
+        q = (lo.to(tl.int32) >> ((g % 2) * 4)[None, :, None]) & 15
+        if HIGH:
+            hi = tl.load(blk[:, :, None] + 16 + lane, mask=vmask, other=0).to(tl.int32)
+            q = q | (((hi >> g[None, :, None]) & 1) << 4)
         w = (dsc[:, :, None] * q.to(tl.float32)).to(MID).to(tl.float32)
         w = (w - dm[:, :, None]).to(MID)
-        w = tl.reshape(w.to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
-        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+        _store(w, rm, rn, M, N, out_ptr, up_ptr, down_ptr, scales_ptr, RANK, BM, BN, BR, PREC)
 
     @triton.jit
     def _q6_k_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
@@ -147,12 +129,10 @@ if triton is not None:
                      mask=smask[:, :, None], other=0).to(tl.int32)
         hi = tl.load(blk[:, :, None] + 128 + ((g // 4) * 32)[None, :, None] + lane,
                      mask=smask[:, :, None], other=0).to(tl.int32)
-        q = (((lo >> (((g // 2) % 2) * 4)[None, :, None]) & 15) | (((hi >> ((g % 4) * 2)[None, :, None]) & 3) << 4)) - 32
+        lo = (lo >> (((g // 2) % 2) * 4)[None, :, None]) & 15
+        q = (lo | (((hi >> ((g % 4) * 2)[None, :, None]) & 3) << 4)) - 32
         w = (dsc[:, :, None] * q.to(tl.float32)).to(MID)
-        w = tl.reshape(w.to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
-        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+        _store(w, rm, rn, M, N, out_ptr, up_ptr, down_ptr, scales_ptr, RANK, BM, BN, BR, PREC)
 
     @triton.jit
     def _q4_q5_kernel(q_ptr, out_ptr, up_ptr, down_ptr, scales_ptr, M, N, MID: tl.constexpr, RANK: tl.constexpr,
@@ -182,13 +162,11 @@ if triton is not None:
         if MIN:
             m = _f16_at(blk + 2, bmask).to(MID).to(tl.float32)
             w = (w.to(tl.float32) + m[:, :, None]).to(MID)
-        w = tl.reshape(w.to(out_ptr.dtype.element_ty).to(tl.float32), (BM, BN))
-        w = _add_lora(w, rm, rn, M, N, up_ptr, down_ptr, scales_ptr, RANK, BR, PREC)
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+        _store(w, rm, rn, M, N, out_ptr, up_ptr, down_ptr, scales_ptr, RANK, BM, BN, BR, PREC)
 
-    KERNELS = {"Q8_0": ("q8_0", _q8_0_kernel), "Q4_K": ("q4_k", _q4_k_kernel), "Q5_K": ("q5_k", _q5_k_kernel),
-               "Q6_K": ("q6_k", _q6_k_kernel), "Q4_0": ("q4_0", _q4_q5_kernel), "Q4_1": ("q4_1", _q4_q5_kernel),
+    KERNELS = {"Q8_0": ("q8_0", _q8_0_kernel), "Q4_K": ("q4_k", _q4_q5_k_kernel),
+               "Q5_K": ("q5_k", _q4_q5_k_kernel), "Q6_K": ("q6_k", _q6_k_kernel),
+               "Q4_0": ("q4_0", _q4_q5_kernel), "Q4_1": ("q4_1", _q4_q5_kernel),
                "Q5_0": ("q5_0", _q4_q5_kernel), "Q5_1": ("q5_1", _q4_q5_kernel)}
 else:
     KERNELS = {}
@@ -211,10 +189,9 @@ def dense(type_name: str, blocks: torch.Tensor, shape: tuple[int, ...], dtype: t
         return None
     out = torch.empty(m, n, dtype=dtype, device=blocks.device)
     bm, bn, warps = TILES[name]
-    legacy = dict(zip(("NBYTES", "HIGH", "MIN"), LEGACY[type_name])) if type_name in LEGACY else {}
     lora = (pairs.up, pairs.down, pairs.scales) if pairs is not None else (out, out, out)
     ran = _launch(name, blocks, kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), (blocks, out, *lora, m, n), ({},),
                   dict(MID=getattr(tl, DTYPES[mid]), RANK=pairs.rank if pairs is not None else 0, BM=bm, BN=bn,
                        BR=pairs.br if pairs is not None else 32, PREC=pairs.prec if pairs is not None else None,
-                       num_warps=warps, **legacy))
+                       num_warps=warps, **LAYOUT.get(type_name, {})))
     return out if ran else None
