@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the repo as `ringswap` on sys.path)
 from ringswap.lora import gguf_kernels as G  # noqa: E402
 from ringswap.lora import kernels as K  # noqa: E402
+from gguf_files import HALF_FIELDS  # noqa: E402  (tests/comfyui/support)
 
 DEV = torch.device("cuda")
 SHAPES = [(5120, 5120)] * 8 + [(13824, 5120), (5120, 13824)]
@@ -100,14 +101,14 @@ def gguf_ops(weights, reps):
               flush=True)
 
 
-K_QUANTS = {"q4_k": (144, (0, 2)), "q5_k": (176, (0, 2)), "q6_k": (210, (208,))}   # bytes a super-block, fp16 fields
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
 
 
 def k_quant_bytes(kind, m, n, g):
     """Random K-quant bytes of an [m, n] weight with small finite fp16 fields (d, dmin)."""
-    nbytes, halves = K_QUANTS[kind]
+    nbytes = G.ROW_BYTES[kind.upper()][1]
     blocks = torch.randint(0, 256, (m * n // 256, nbytes), device=DEV, generator=g, dtype=torch.uint8)
-    for at in halves:
+    for at in HALF_FIELDS[kind.upper()]:
         blocks[:, at:at + 2] = (torch.rand(blocks.shape[0], 1, device=DEV, generator=g) * 5e-4).half().view(torch.uint8)
     return blocks.reshape(m, -1)
 

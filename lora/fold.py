@@ -114,14 +114,17 @@ def _add_dense_on_land(blocks: SwappedBlocks, ops: dict[int, list[FoldOp]], comp
     """Unpatched packed weights whose codec makes them dense on landing (GGUF types whose
     dequantize blocks the stream in a forward: GgmlCodec.dense_on_land) get a DenseOp without
     patches: dequantized once per landing on the land stream, off the compute stream."""
+    wanted: dict[int, list[int]] = {}   # a layout (blocks share them) -> its attributes made dense
     for b in range(blocks.block_count):
         module, layout = blocks.block(b)
+        if id(layout) not in wanted:
+            wanted[id(layout)] = [i for i, a in enumerate(layout.attrs) if (c := dense_codec(a)) is not None
+                                  and hasattr(c, "dense_on_land") and c.dense_on_land(a.spec)]
         done = {op.attr for op in ops.get(b, ()) if isinstance(op, DenseOp)}
-        for i, attr in enumerate(layout.attrs):
-            codec = dense_codec(attr)
-            if (i in done or codec is None or not hasattr(codec, "dense_on_land")
-                    or not codec.dense_on_land(attr.spec)):
+        for i in wanted[id(layout)]:
+            if i in done:
                 continue
+            attr = layout.attrs[i]
             ops.setdefault(b, []).append(DenseOp(f"block {b}: {attr.path}.{attr.name}", (), i, layout,
                                                  module.get_submodule(attr.path), compute_dtype,
                                                  attr_shape(layout, attr)))

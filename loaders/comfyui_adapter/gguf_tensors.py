@@ -6,6 +6,7 @@ Quantized weights outside the blocks get their LoRA patches as the pack's own pa
 them (applied at each forward by its layers), since RingSwap's patcher is not the pack's."""
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import sys
@@ -18,7 +19,16 @@ import comfy.utils
 from ...swap.layout import codec_for, register_codec
 
 CLASS_NAME = "GGMLTensor"
-_SYNCS: dict = {}   # the pack's dequantize function -> does it make a blocking copy
+
+
+@functools.cache
+def _copies_a_list(fn) -> bool:
+    """Does the pack's dequantize function `fn` build a device tensor from a Python list (a
+    blocking copy)? Without source to read: no (the pack's own way stays)."""
+    try:
+        return "torch.tensor(" in inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
 
 
 class GgmlCodec:
@@ -46,14 +56,7 @@ class GgmlCodec:
         makes the host wait for all the compute queued before it, at every weight. Probed in the
         installed pack's code (Q4_0/Q5_0/K-quants: yes; Q8_0, BF16: no)."""
         fn = self.dequant.dequantize_functions.get(spec[0])
-        if fn is None or not self.quantized(spec):
-            return False
-        if fn not in _SYNCS:
-            try:
-                _SYNCS[fn] = "torch.tensor(" in inspect.getsource(fn)
-            except (OSError, TypeError):   # no source to read: the pack's own way
-                _SYNCS[fn] = False
-        return _SYNCS[fn]
+        return fn is not None and self.quantized(spec) and _copies_a_list(fn)
 
     def dequantize(self, spec, parts, dtype: torch.dtype, dequant_dtype=None) -> torch.Tensor:
         """The dense weight of the packed one, as the pack's layer computes it each forward

@@ -10,7 +10,7 @@ from conftest import COMFY
 from ringswap.lora import gguf_kernels, kernels
 from ringswap.lora.fold_ops import MIN_SCALE, NVFP4_MAX, KitchenOp, ScaledFp8Op, kitchen_from_float
 from support.fp8_close import assert_fp8_close
-from support.gguf_files import comfyui_gguf_pack
+from support.gguf_files import HALF_FIELDS, comfyui_gguf_pack
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -115,7 +115,7 @@ def gguf_blocks(qtype, m, n, seed, offset=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     buf = torch.randint(0, 256, (m * n // values * nbytes + offset,), device=DEV, generator=g, dtype=torch.uint8)
     blocks = buf[offset:].view(-1, nbytes)
-    for at in {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q4_1": (0, 2), "Q5_1": (0, 2)}.get(qtype, (0,)):   # d (m)
+    for at in HALF_FIELDS[qtype]:
         scale = (torch.rand(blocks.shape[0], 1, device=DEV, generator=g) - 0.5) * 0.004
         blocks[:, at:at + 2] = scale.half().view(torch.uint8)
     return buf[offset:].view(m, -1)

@@ -17,8 +17,10 @@ from safetensors.torch import load_file
 QTYPES = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q5_0": gguf.GGMLQuantizationType.Q5_0,
           "Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_K": gguf.GGMLQuantizationType.Q4_K,
           "Q5_K": gguf.GGMLQuantizationType.Q5_K, "Q6_K": gguf.GGMLQuantizationType.Q6_K}
-K_QUANTS = {gguf.GGMLQuantizationType.Q4_K: (0, 2), gguf.GGMLQuantizationType.Q5_K: (0, 2),
-            gguf.GGMLQuantizationType.Q6_K: (208,)}   # where their fp16 fields (d, dmin) are
+# where a GGML block's fp16 fields (d, and dmin or m) are, for the types the tests write at random
+HALF_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
+K_QUANTS = {getattr(gguf.GGMLQuantizationType, k): HALF_FIELDS[k] for k in ("Q4_K", "Q5_K", "Q6_K")}
 
 
 def random_k_quant(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
