@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=.whl-nvcomp
 raw=.wheels/nvcomp-download   # the wheels as downloaded (not carried)
-mkdir -p "$raw"
+mkdir -p "$raw" "$dest"
 if ! ls "$raw"/nvidia_nvcomp_cu13-*.whl "$raw"/nvidia_libnvcomp_cu13-*.whl >/dev/null 2>&1; then
     mv "$dest"/nvidia_*nvcomp*.whl "$raw"/ 2>/dev/null || true
 fi
