@@ -16,6 +16,7 @@ import torch
 
 import comfy.lora
 
+from ..swap.dense_arena import DenseArena
 from . import gguf_kernels, kernels
 from .fold_ops import FoldOp
 
@@ -57,13 +58,22 @@ class DenseOp(FoldOp):
         self.numel = math.prod(shape)
         self.nbytes = self.numel * torch.empty(0, dtype=dtype).element_size()
 
-    def __call__(self, tensors) -> torch.Tensor:
+    def __call__(self, tensors, arena: DenseArena | None = None) -> torch.Tensor:
+        """The dense weight, cut from `arena` where given and it has room (the pack's steps copy
+        their result there, where it has the planned dtype and shape)."""
         parts = [tensors[i] for i in self.entries]
+        out = arena.take(self.shape, self.dtype) if arena is not None else None
         if self.kernel and kernels.enabled(parts[0].device) and self._kernel_matches(parts):
             pairs = self.kernel_pairs(parts[0]) if self.patches else None
-            w = gguf_kernels.dense(self.type_name, parts[0], self.shape, self.dtype, self.kernel_mid, pairs)
+            w = gguf_kernels.dense(self.type_name, parts[0], self.shape, self.dtype, self.kernel_mid, pairs, out)
             if w is not None:
                 return w
+        w = self._pack_steps(parts)
+        if out is None or w.dtype != out.dtype or w.shape != out.shape:
+            return w
+        return out.copy_(w)
+
+    def _pack_steps(self, parts: list[torch.Tensor]) -> torch.Tensor:
         w = self.codec.dequantize(self.spec, parts, self.dtype, self.dequant_dtype)
         if not self.patches:   # made dense on landing only (GgmlCodec.dense_on_land)
             return w

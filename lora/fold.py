@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..swap.dense_arena import DenseArena, aligned
 from ..swap.state import ResidentWork
 from .blocks import SwappedBlocks
 from .checks import attr_index, attr_shape, check_patches, effective_patches
@@ -39,35 +40,38 @@ class BlockFolder:
         self._dense = {b: [op for op in v if isinstance(op, DenseOp)] for b, v in ops.items()}
         self._in_place = {b: [op for op in v if not isinstance(op, DenseOp)] for b, v in ops.items()}
 
-    def __call__(self, block: int, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
-        return self._run(self.ops.get(block, ()), tensors)
+    def __call__(self, block: int, tensors: list[torch.Tensor], out: DenseArena | None = None
+                 ) -> dict[int, torch.Tensor] | None:
+        return self._run(self.ops.get(block, ()), tensors, out)
 
     def in_place(self, block: int, tensors: list[torch.Tensor]) -> None:
         """The fold work that writes the block's own tensors (once, where it stays resident)."""
         self._run(self._in_place.get(block, ()), tensors)
 
-    def dense(self, block: int, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    def dense(self, block: int, tensors: list[torch.Tensor], out: DenseArena | None = None
+              ) -> dict[int, torch.Tensor] | None:
         """The dense weights to bind while the block computes (before each call, where resident)."""
-        return self._run(self._dense.get(block, ()), tensors)
+        return self._run(self._dense.get(block, ()), tensors, out)
 
     def resident_work(self) -> ResidentWork:
         """How a resident block is folded: in place once, its dense weights before each call."""
         return ResidentWork(self.dense_blocks, self.in_place, self.dense)
 
     @staticmethod
-    def _run(ops, tensors: list[torch.Tensor]) -> dict[int, torch.Tensor] | None:
+    def _run(ops, tensors: list[torch.Tensor], arena: DenseArena | None = None) -> dict[int, torch.Tensor] | None:
         dense = None
         with torch.no_grad():
             for op in ops:
-                out = op(tensors)
+                out = op(tensors, arena) if isinstance(op, DenseOp) else op(tensors)
                 if out is not None:
                     dense = dense or {}
                     dense[op.attr] = out
         return dense
 
-    def extra_bytes(self, block: int) -> int:
-        """Device bytes a landing of `block` holds beyond its own: its dense weights."""
-        return sum(op.nbytes for op in self._dense.get(block, ()))
+    def dense_bytes(self, block: int) -> int:
+        """Device bytes a landing of `block` holds beyond its own: its dense weights (as cut from
+        a DenseArena, each view aligned)."""
+        return sum(aligned(op.nbytes) for op in self._dense.get(block, ()))
 
     @property
     def dense_unpatched(self) -> bool:

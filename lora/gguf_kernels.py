@@ -173,10 +173,11 @@ else:
 
 
 def dense(type_name: str, blocks: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, mid: torch.dtype,
-          pairs: Pairs | None) -> torch.Tensor | None:
+          pairs: Pairs | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The dense [M, N] weight in `dtype` of GGUF bytes `blocks` (uint8) of type `type_name`,
     dequantized through `mid` (ComfyUI-GGUF's dequant dtype: float16 by default), plus the
-    pairs' delta where `pairs` is given; None where no kernel can run."""
+    pairs' delta where `pairs` is given, written into `out` where given (contiguous, [M, N],
+    `dtype`); None where no kernel can run."""
     m, n = shape if len(shape) == 2 else (0, 0)
     if type_name not in KERNELS or not kernels.enabled(blocks.device):
         return None
@@ -187,7 +188,10 @@ def dense(type_name: str, blocks: torch.Tensor, shape: tuple[int, ...], dtype: t
             or (pairs is not None and (pairs.up.shape[0] != m or pairs.down.shape[1] != n))
             or not _usable(name, blocks.view(m, -1), None)):
         return None
-    out = torch.empty(m, n, dtype=dtype, device=blocks.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=dtype, device=blocks.device)
+    elif out.shape != (m, n) or out.dtype != dtype or not out.is_contiguous() or out.device != blocks.device:
+        raise ValueError(f"dense: out is {tuple(out.shape)} {out.dtype} on {out.device}, not ({m}, {n}) {dtype}")
     bm, bn, warps = TILES[name]
     lora = (pairs.up, pairs.down, pairs.scales) if pairs is not None else (out, out, out)
     ran = _launch(name, blocks, kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), (blocks, out, *lora, m, n), ({},),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -25,7 +26,7 @@ from .slot_ring import Slot, SlotRing
 from .coding import Coding, coding_for, keep_coder
 from .plane_codec import PlaneCoder
 from .sources import CodedSource, FileSource, RamSource
-from .state import Attachment, BlockState, OnLand, ResidentWork, writes_blocks
+from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, writes_blocks
 from .stats import RunStats
 
 log = logging.getLogger("ringswap.engine")
@@ -133,7 +134,8 @@ class BlockSwapEngine:
         """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` (a LoRA fold) runs on the land stream once a block's bytes are
         in, before it computes; it may return {attr index: tensor} to bind instead, held until
-        the slot is refilled. `ram_blocks` (home=auto): the streamed blocks held in RAM.
+        the slot is refilled (with a `dense_bytes(block)` method it is called with `out=`, the
+        slot's DenseArena, to cut them from: swap/dense_arena.py). `ram_blocks` (home=auto): the streamed blocks held in RAM.
         `progress(done, total)` follows file reads. The same settings again only take `owner`.
         `compress`: coded RAM homes; `may_code`: resident blocks kept at detach are coded.
         `resident_work`: on-land work split for its blocks where they stay resident (dense weights
@@ -193,7 +195,7 @@ class BlockSwapEngine:
             att.copier.take_times()   # resident placement is loading, not a run's copies
             if on_land is not None:
                 att.resident_folds = fold_resident(self.states, placing, plan.resident, on_land,
-                                                   att.resident_work, att.copier)
+                                                   att.resident_work, att.copier, device)
             att.stats = att.new_stats()
         except BaseException:
             if pinning is not None:
@@ -208,7 +210,7 @@ class BlockSwapEngine:
         plan, device = att.plan, att.device
         nbytes = max(self.states[i].layout.nbytes for i in plan.streamed)
         att.ring = SlotRing(plan.ring_slots, nbytes, device, staging=att.memory == "staged",
-                            pin_staging=device.type == "cuda")
+                            pin_staging=device.type == "cuda", dense_bytes=dense_bytes(att.on_land, plan.streamed))
         att.ram = RamSource(self, att)
         if att.readahead is not None:
             att.file = FileSource(self, att, att.ring)
@@ -294,7 +296,8 @@ class BlockSwapEngine:
         s = self.states[block]
         s.slot = slot
         if att.on_land is not None and not slot.landed:
-            replaced = att.copier.landed(att.on_land, block, slot.views(s.layout), ready=slot.ready)
+            fold = att.on_land if slot.dense is None else partial(att.on_land, out=slot.dense.restart())
+            replaced = att.copier.landed(fold, block, slot.views(s.layout), ready=slot.ready)
             slot.replaced = s.binding.bindable(replaced) if replaced else None
         slot.landed = True
         s.binding.bind_joined(slot.joined(s.layout))

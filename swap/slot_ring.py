@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .dense_arena import DenseArena
 from .host_pool import HostBuffer, empty_bytes
 from .layout import BlockLayout
 
@@ -26,6 +27,7 @@ class Slot:
     reading: bool = False                 # the owner comes from the file and is not copied yet
     landed: bool = False                  # on_land has run for the current owner
     replaced: dict | None = None          # what on_land had the current owner bind instead (attr -> tensor)
+    dense: DenseArena | None = None       # where on_land cuts those from (its dense weights)
     _views: dict = field(default_factory=dict)
     _joined: dict = field(default_factory=dict)
 
@@ -46,14 +48,15 @@ class Slot:
 
 class SlotRing:
     def __init__(self, count: int, nbytes: int, device: torch.device, staging: bool = False,
-                 pin_staging: bool = False):
+                 pin_staging: bool = False, dense_bytes: int = 0):
         self.slots = [Slot(i, empty_bytes(nbytes, device)) for i in range(count)]
+        for s in self.slots if dense_bytes > 0 else ():
+            s.dense = DenseArena(dense_bytes, device)
         if staging:
             for s in self.slots:
                 s.staging = HostBuffer(nbytes)
                 if pin_staging:
                     s.staging.pin()
-        self.nbytes = nbytes * count
 
     def slot_of(self, block: int) -> Slot | None:
         return next((s for s in self.slots if s.owner == block), None)

@@ -27,13 +27,20 @@ if TYPE_CHECKING:
     from .resident_folds import ResidentFolds
 
 
-OnLand = Callable[[int, list[torch.Tensor]], "dict[int, torch.Tensor] | None"]   # see BlockSwapEngine.attach
+OnLand = Callable[..., "dict[int, torch.Tensor] | None"]   # on_land(block, tensors[, out=]): BlockSwapEngine.attach
 
 
 def writes_blocks(on_land: OnLand | None) -> bool:
     """May `on_land` write a block's own tensors? (One whose `writes_blocks` is False only hands
     back replacements to bind, so the device copy stays what was placed.)"""
     return on_land is not None and getattr(on_land, "writes_blocks", True)
+
+
+def dense_bytes(on_land: OnLand | None, blocks) -> int:
+    """Device bytes the largest landing of `blocks` hands back (0: none). On-land work with a
+    `dense_bytes(block)` method is given `out=`, a DenseArena of that size, to cut them from."""
+    size = getattr(on_land, "dense_bytes", None)
+    return max((size(i) for i in blocks), default=0) if size is not None else 0
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,14 @@ class CopyStream:
         self._freed = (block, event)
         return event
 
+    def mark_compute(self) -> "torch.cuda.Event | None":
+        """An untimed event marking the end of the compute enqueued so far (None on the CPU)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def mark_call(self, start: bool) -> None:
         """Mark the start or end of a model call on the compute stream (its device time)."""
         if not self.cuda:

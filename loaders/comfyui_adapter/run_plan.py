@@ -201,7 +201,7 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
     folder = patcher.block_folder_on(device)   # dense folds (GGUF) hold dense weights while a block computes
     return PlanInputs(
         block_sizes=tuple(s.layout.nbytes for s in engine.states),
-        dense_bytes=tuple(folder.extra_bytes(s.index) for s in engine.states) if folder else (),
+        dense_bytes=tuple(folder.dense_bytes(s.index) for s in engine.states) if folder else (),
         nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes(device) if folder else 0)
         + compress_choice.scratch_bytes(settings.compress, device, engine.home, engine.read_block is not None,
                                          bool(engine.pool.coded), copy_bound),

@@ -181,7 +181,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
         read, read_s = engine.read_back
-        dense = max((folder.extra_bytes(i) for i in range(engine.num_blocks)), default=0) if folder else 0
+        dense = max((folder.dense_bytes(i) for i in range(engine.num_blocks)), default=0) if folder else 0
         coding = compress_choice.line(engine, why, plan.residency.streamed, plan.inputs.calls_per_step)
         log.info("%s; %s memory, %.2f GB at home%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
                  engine.pool.nbytes / 1e9, f"; {split.line()}" if split is not None else "",

@@ -252,7 +252,7 @@ def test_lora_on_gguf_folds_once_per_landing_and_equals_comfyui_gguf(gguf_dir, f
     for window, prefetch in ((1, 0), (2, 1), (BLOCKS, 1)):
         (model,) = RingSwapPatch().patch(lora_on(base, fmt), window, prefetch, "auto")
         folder = model.block_folder_on(model.load_device)
-        assert folder is not None and any(folder.extra_bytes(b) for b in range(BLOCKS)), "dense folds planned"
+        assert folder is not None and any(folder.dense_bytes(b) for b in range(BLOCKS)), "dense folds planned"
         for _ in range(2):
             got = forward(model, *inputs(seed=0))
             assert same_lora(got, want), (fmt, qtype, window)
@@ -357,14 +357,15 @@ def test_a_kernel_is_used_only_where_it_equals_the_packs_dequantize(gguf_dir, mo
     dequant = sys.modules[PACK.__name__ + ".dequant"]
     calls: list[str] = []
 
-    def packs_math(type_name, blocks, shape, dtype, mid, pairs):
+    def packs_math(type_name, blocks, shape, dtype, mid, pairs, out=None):
         calls.append(type_name)
         qt = getattr(gguf.GGMLQuantizationType, type_name)
-        return dequant.dequantize(blocks, qt, shape, dtype=None if mid == torch.float16 else mid).to(dtype)
+        w = dequant.dequantize(blocks, qt, shape, dtype=None if mid == torch.float16 else mid).to(dtype)
+        return w if out is None else out.copy_(w)
 
-    def zeros(type_name, blocks, shape, dtype, mid, pairs):
+    def zeros(type_name, blocks, shape, dtype, mid, pairs, out=None):
         calls.append(type_name)
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype) if out is None else out.zero_()
     monkeypatch.setattr(kernels, "enabled", lambda device: True)
     for stand_in, used in ((packs_math, True), (zeros, False)):
         monkeypatch.setattr(gguf_kernels, "dense", stand_in)

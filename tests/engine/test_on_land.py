@@ -137,3 +137,62 @@ def test_resident_blocks_named_fold_per_call_hold_their_dense_weights_only_while
     finally:
         for p in probes:
             p.remove()
+
+
+class ArenaFold:
+    """On-land work that cuts its replacement (the doubled weight) from the `out=` arena it is given."""
+
+    def __init__(self, k: int, entry: int, nbytes: int):
+        self.k, self.entry, self.nbytes = k, entry, nbytes
+        self.arenas: list = []   # (block, the arena it was given)
+
+    def dense_bytes(self, block: int) -> int:
+        return self.nbytes
+
+    def __call__(self, block, tensors, out=None):
+        w = tensors[self.entry]
+        dense = out.take(tuple(w.shape), w.dtype) if out is not None else torch.empty_like(w)   # held: placed once
+        torch.mul(w, 2, out=dense)
+        self.arenas.append((block, out))
+        return {self.k: dense}
+
+
+@pytest.mark.parametrize("home", ["ram", "disk"])
+def test_dense_replacements_are_cut_from_the_slots_and_the_resident_sets_arenas(home):
+    """On-land work with `dense_bytes` is given `out=`: a streamed block's arena is its slot's
+    (sized from dense_bytes, refilled with the slot), a resident block folded per call gets one
+    of two arenas in turn; outputs stay the doubled model's, and no landing allocates its own."""
+    blocks, want, engine, k, entry = doubled_weight_engine(home)
+    w = make_blocks()[0].lin.weight
+    fold = ArenaFold(k, entry, w.numel() * w.element_size())
+    work = ResidentWork(frozenset(range(N)), lambda block, tensors: None, fold)
+    for window, prefetch, resident_work in ((1, 0, None), (2, 1, None), (3, 1, work), (N, 1, work)):
+        plan = engine.attach("cpu", ResidencyPlan.make(N, window, prefetch), on_land=fold, resident_work=resident_work)
+        for call in range(2):
+            fold.arenas.clear()
+            assert torch.equal(run(blocks, X), want), (home, window, prefetch, call)
+            slots = {id(s.dense): s for s in engine.att.ring.slots} if engine.att.ring is not None else {}
+            assert all(s.dense.nbytes >= fold.nbytes for s in slots.values())
+            streamed = [a for b, a in fold.arenas if b in plan.streamed]
+            assert streamed or not plan.streamed
+            assert all(id(a) in slots for a in streamed), "a streamed block's dense weight is in its slot's arena"
+            per_call = [a for b, a in fold.arenas if b in plan.resident]
+            if resident_work is not None and plan.resident:
+                sets = engine.att.resident_folds.arenas
+                assert len(sets) == 2 and all(any(a is s for s in sets) for a in per_call)
+                assert all(a is not b for a, b in zip(per_call, per_call[1:])), "the two in turn"
+            else:
+                assert per_call == [], "held dense weights are made once, at placing"
+        engine.end_run()
+        engine.detach()
+
+
+def test_a_dense_arena_hands_out_aligned_views_until_full():
+    from ringswap.swap.dense_arena import ALIGN, DenseArena
+    arena = DenseArena(3 * ALIGN, torch.device("cpu"))
+    a = arena.take((3, 5), torch.float32)
+    b = arena.take((ALIGN // 2,), torch.bfloat16)
+    assert a.shape == (3, 5) and a.dtype == torch.float32 and b.dtype == torch.bfloat16
+    assert (b.data_ptr() - a.data_ptr()) % ALIGN == 0 and b.data_ptr() != a.data_ptr()
+    assert arena.take((ALIGN + 1,), torch.uint8) is None, "no room left: the caller allocates"
+    assert arena.restart().take((3, 5), torch.float32).data_ptr() == a.data_ptr()
