@@ -134,9 +134,9 @@ class BlockSwapEngine:
         """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` (a LoRA fold) runs on the land stream once a block's bytes are
         in, before it computes; it may return {attr index: tensor} to bind instead, held until
-        the slot is refilled (with a `dense_bytes(block)` method it is called with `out=`, the
-        slot's DenseArena, to cut them from: swap/dense_arena.py). `ram_blocks` (home=auto): the streamed blocks held in RAM.
-        `progress(done, total)` follows file reads. The same settings again only take `owner`.
+        the slot is refilled (cut from `out=`, the slot's DenseArena, where it has `dense_bytes`).
+        `ram_blocks` (home=auto): the streamed blocks held in RAM. `progress(done, total)` follows
+        file reads. The same settings again only take `owner`.
         `compress`: coded RAM homes; `may_code`: resident blocks kept at detach are coded.
         `resident_work`: on-land work split for its blocks where they stay resident (dense weights
         made before each call instead of held: swap/resident_folds.py)."""
