@@ -25,7 +25,6 @@ class DenseArena:
     def __init__(self, nbytes: int, device: torch.device):
         self.flat = empty_bytes(aligned(nbytes), device)
         self.used = 0
-        self.free = None   # resident sets: the event after the compute that last read it (CUDA)
 
     def restart(self) -> "DenseArena":
         """Hand out from the start again (the last landing's weights are no longer read)."""
@@ -34,7 +33,7 @@ class DenseArena:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised contiguous tensor cut from the buffer, or None where it is full."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         end = self.used + aligned(nbytes)
         if end > self.flat.numel():
             return None

@@ -22,33 +22,34 @@ class ResidentFolds:
                  device: torch.device, nbytes: int = 0):
         self.states, self.each_call, self.copier = states, each_call, copier
         self.arenas = [DenseArena(nbytes, device) for _ in range(2)] if nbytes else []
+        self.freed: list = [None, None]   # per arena: the event after the compute that last read it (CUDA)
         self.turn = 0
         self.packed: dict[int, dict[int, torch.Tensor]] = {}   # block -> what its dense weights replace
-        self.cut_from: dict[int, DenseArena] = {}                # block -> the arena its dense weights use
+        self.cut_from: dict[int, int] = {}                      # block -> the arena its dense weights use
         self.hooks = BlockHooks([s.block for s in states], blocks, self.before, self.after)
 
     def before(self, block: int) -> None:
         binding = self.states[block].binding
         fold, ready = self.each_call, None
         if self.arenas:   # the arena's last reader has computed before the fold writes it
-            arena = self.cut_from[block] = self.arenas[self.turn % 2]
+            k = self.cut_from[block] = self.turn % 2
             self.turn += 1
-            fold, ready = partial(self.each_call, out=arena.restart()), arena.free
+            fold, ready = partial(self.each_call, out=self.arenas[k].restart()), self.freed[k]
         dense = self.copier.landed(fold, block, binding.current(), ready=ready, sample=False)
         if dense:
             self.packed[block] = binding.bind_some(binding.bindable(dense))
 
     def after(self, block: int) -> None:
-        arena = self.cut_from.pop(block, None)
-        if arena is not None:
-            arena.free = self.copier.mark_compute()
+        k = self.cut_from.pop(block, None)
+        if k is not None:
+            self.freed[k] = self.copier.mark_compute()
         packed = self.packed.pop(block, None)
         if packed:
             self.states[block].binding.bind_some(packed)
 
     def remove(self) -> None:
         self.hooks.remove()
-        for block in list(self.packed) + list(self.cut_from):
+        for block in set(self.packed) | set(self.cut_from):
             self.after(block)
         self.arenas = []
 
