@@ -92,6 +92,14 @@ class BlockFolder:
         """Device bytes the largest dense fold needs for its temporaries on `device` (one at a time)."""
         return max((op.workspace_bytes(device) for ops in self._dense.values() for op in ops), default=0)
 
+    def pair_bytes(self, device: torch.device) -> int:
+        """Device bytes the LoRA pairs are planned to keep on `device` once folded there."""
+        return sum(op.pair_bytes(device) for ops in self.ops.values() for op in ops)
+
+    def kept_bytes(self, device: torch.device) -> int:
+        """Device bytes the LoRA pairs keep on `device` now (moved there by their first fold)."""
+        return sum(op.kept_bytes(device) for ops in self.ops.values() for op in ops)
+
     def release(self) -> None:
         """Drop the LoRA pairs kept on the device (when the model leaves it)."""
         for ops in self.ops.values():

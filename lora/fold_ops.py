@@ -95,6 +95,23 @@ class FoldOp:
             w.addmm_(up, down, alpha=scale)
         return w
 
+    def pair_bytes(self, device: torch.device) -> int:
+        """Device bytes this weight's LoRA pairs are planned to keep on `device` (plain pairs on
+        CUDA): the larger of the kernels' layout and the pairs in their own dtype (the addmm_'s)."""
+        if not self.pairs or device.type not in self.fused_devices:
+            return 0
+        return max(kernels.Pairs.nbytes(self.pairs),
+                   sum((u.numel() + d.numel()) * u.element_size() for u, d, _ in self.pairs))
+
+    def kept_bytes(self, device: torch.device) -> int:
+        """Device bytes of this weight's LoRA pairs kept on `device` now."""
+        kept = 0
+        for key, pairs in self._on_device.items():
+            if (key[1] if key[0] == "kernels" else key[0]) == device:
+                tensors = (pairs.up, pairs.down) if key[0] == "kernels" else [t for u, d, _ in pairs for t in (u, d)]
+                kept += sum(t.numel() * t.element_size() for t in tensors)
+        return kept
+
     def kernel_pairs(self, w: torch.Tensor) -> "kernels.Pairs | None":
         """The LoRA pairs laid out for lora/kernels.py on `w`'s device, or None where the
         fused kernels do not apply (not plain pairs, not CUDA, no Triton)."""

@@ -56,13 +56,7 @@ class Pairs:
     on the device."""
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor, float]], device: torch.device):
-        dtypes = {t.dtype for u, d, _ in pairs for t in (u, d)}
-        self.dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16} \
-            else torch.float32
-        self.br = 32 if self.dtype != torch.float32 else 16
-        ranks = [-(-d.shape[0] // self.br) * self.br for _, d, _ in pairs]
-        if self.dtype != torch.float32 and all(r % WIDE_BR == 0 for r in ranks):
-            self.br = WIDE_BR   # e.g. one rank-64 pair: one dot per tile instead of two
+        self.dtype, self.br, ranks = self.layout(pairs)
         m, n = pairs[0][0].shape[0], pairs[0][1].shape[1]
         self.rank = sum(ranks)
         self.up = torch.zeros(m, self.rank, dtype=self.dtype, device=device)
@@ -81,6 +75,23 @@ class Pairs:
         # every later fold of this weight has the same base (a block lands from the same home
         # each time), so it skips the amax pass and requantizes with the kept amax, bit for bit
         self.amax_kept = False
+
+    @staticmethod
+    def layout(pairs: list[tuple[torch.Tensor, torch.Tensor, float]]) -> tuple[torch.dtype, int, list[int]]:
+        """(dtype, ranks per dot, each pair's padded rank) of these pairs laid out for the kernels."""
+        dtypes = {t.dtype for u, d, _ in pairs for t in (u, d)}
+        dtype = dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16} else torch.float32
+        br = 32 if dtype != torch.float32 else 16
+        ranks = [-(-d.shape[0] // br) * br for _, d, _ in pairs]
+        if dtype != torch.float32 and all(r % WIDE_BR == 0 for r in ranks):
+            br = WIDE_BR   # e.g. one rank-64 pair: one dot per tile instead of two
+        return dtype, br, ranks
+
+    @classmethod
+    def nbytes(cls, pairs: list[tuple[torch.Tensor, torch.Tensor, float]]) -> int:
+        """Device bytes of the ups and downs these pairs take once laid out."""
+        dtype, _, ranks = cls.layout(pairs)
+        return (pairs[0][0].shape[0] + pairs[0][1].shape[1]) * sum(ranks) * dtype.itemsize
 
     def fold_passes(self) -> tuple[int, tuple]:
         """(scratch slot, passes) of the next fold: both passes the first time, then the

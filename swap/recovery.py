@@ -14,6 +14,7 @@ import torch
 
 from .engine import BlockSwapEngine
 from .plan import ResidencyPlan
+from .state import OnLand, kept_bytes
 
 log = logging.getLogger("ringswap.recovery")
 
@@ -24,18 +25,21 @@ GB = 1e9
 class CallPeak:
     """Bytes one model call needs on a CUDA device beyond what it holds at the call's start:
     what the caching allocator had to reserve (fragmentation included), not only what tensors
-    occupied: a plan sized on tensor bytes alone can run out of memory."""
+    occupied: a plan sized on tensor bytes alone can run out of memory. What the on-land work
+    keeps from the call on (LoRA pairs moved there, planned as weights) is not counted."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, on_land: OnLand | None = None):
         torch.cuda.empty_cache()   # reserved == held at the start: its growth is this call's own
         torch.cuda.reset_peak_memory_stats(device)
-        self.device = device
+        self.device, self.on_land = device, on_land
         self.allocated = torch.cuda.memory_allocated(device)
         self.reserved = torch.cuda.memory_reserved(device)
+        self.kept = kept_bytes(on_land, device)
 
     def bytes(self) -> int:
-        return max(0, torch.cuda.max_memory_allocated(self.device) - self.allocated,
-                   torch.cuda.max_memory_reserved(self.device) - self.reserved)
+        kept = kept_bytes(self.on_land, self.device) - self.kept
+        return max(0, torch.cuda.max_memory_allocated(self.device) - self.allocated - kept,
+                   torch.cuda.max_memory_reserved(self.device) - self.reserved - kept)
 
 
 def _give_up(engine: BlockSwapEngine, on_change: Callable[[int, int], None], message: str) -> None:
@@ -61,7 +65,7 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
     engine.begin_call()
     cuda = att.device.type == "cuda"
     first = att.stats.calls == 1
-    peak = CallPeak(att.device) if first and cuda and measure_peak else None
+    peak = CallPeak(att.device, att.on_land) if first and cuda and measure_peak else None
     try:
         out = call()
         if peak is not None:
@@ -93,7 +97,7 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
                 where, reason, target.window, target.prefetch, engine.device_bytes() / GB, held / GB)
     engine.begin_call()
     engine.att.stats.calls -= 1   # the same call, retried
-    peak = CallPeak(att.device) if cuda else None
+    peak = CallPeak(att.device, att.on_land) if cuda else None
     try:
         out = call()
         if peak is not None:

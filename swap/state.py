@@ -43,6 +43,13 @@ def dense_bytes(on_land: OnLand | None, blocks) -> int:
     return max((size(i) for i in blocks), default=0) if size is not None else 0
 
 
+def kept_bytes(on_land: OnLand | None, device: torch.device) -> int:
+    """Device bytes the on-land work keeps between calls (LoRA pairs moved there by their first
+    fold): weights, not activations. 0 without a `kept_bytes(device)` method."""
+    kept = getattr(on_land, "kept_bytes", None)
+    return kept(device) if kept is not None else 0
+
+
 @dataclass(frozen=True)
 class ResidentWork:
     """On-land work of `blocks` split for where they stay resident: `placed` once, when placed

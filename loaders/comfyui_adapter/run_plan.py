@@ -202,7 +202,7 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
     return PlanInputs(
         block_sizes=tuple(s.layout.nbytes for s in engine.states),
         dense_bytes=tuple(folder.dense_bytes(s.index) for s in engine.states) if folder else (),
-        nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes(device) if folder else 0)
+        nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes(device) + folder.pair_bytes(device) if folder else 0)
         + compress_choice.scratch_bytes(settings.compress, device, engine.home, engine.read_block is not None,
                                          bool(engine.pool.coded), copy_bound),
         free_bytes=int(free_bytes), reserve_bytes=features.reserved_vram(source == MEASURED),
@@ -248,8 +248,11 @@ def plan_for_load(patcher, device: torch.device, full_load: bool) -> WindowPlan:
 
 
 def free_for(patcher, device: torch.device) -> int:
-    """Device memory `patcher`'s model can have now: free plus what it holds."""
-    return int(features.free_vram(device) + patcher.model.model_loaded_weight_memory)
+    """Device memory `patcher`'s model can have now: free plus what it holds (its LoRA pairs
+    kept on the device included)."""
+    folder = patcher.ringswap_run.folder
+    kept = folder.kept_bytes(device) if folder is not None else 0
+    return int(features.free_vram(device) + patcher.model.model_loaded_weight_memory + kept)
 
 
 def ran_here(patcher, device: torch.device, plan: ResidencyPlan, conds: int) -> bool:

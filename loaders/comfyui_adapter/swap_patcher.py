@@ -182,10 +182,12 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self.model.model_loaded_weight_memory += engine.device_bytes()
         read, read_s = engine.read_back
         dense = max((folder.dense_bytes(i) for i in range(engine.num_blocks)), default=0) if folder else 0
+        pairs = folder.pair_bytes(device) if folder else 0
         coding = compress_choice.line(engine, why, plan.residency.streamed, plan.inputs.calls_per_step)
-        log.info("%s; %s memory, %.2f GB at home%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
+        log.info("%s; %s memory, %.2f GB at home%s%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
                  engine.pool.nbytes / 1e9, f"; {split.line()}" if split is not None else "",
                  f"; {coding}" if coding else "",
+                 f"; LoRA pairs: {pairs / 1e9:.2f} GB kept on the device (planned as non-block)" if pairs else "",
                  f"; GGUF dense weights: {dense / 1e9:.2f} GB a block on the device (planned"
                  f"{', made before each call where resident' if plan.inputs.dense_per_call else ''})"
                  if dense else "", time.perf_counter() - t0,

@@ -227,6 +227,8 @@ def test_gguf_on_cuda_bit_exact_and_lora_close(gguf_dir, qtype):
         for _ in range(2):
             got = forward(model, *x)
             assert (got - want).float().norm() <= 0.02 * (want - plain).float().norm(), (qtype, window, prefetch)
+        folder, device = model.block_folder_on(model.load_device), model.load_device
+        assert 0 < folder.kept_bytes(device) <= folder.pair_bytes(device), "the LoRA pairs kept as planned"
         plan = model.ringswap_run.plan   # windows 2 (prefetch 2) and 4 hold every block; 1 streams
         assert plan.inputs.dense_per_call == (not plan.residency.streamed), "held where blocks stream, per call where all are resident"
         comfy.model_management.unload_all_models()

@@ -103,7 +103,9 @@ def test_dense_folds_plan_the_packs_dequantize_temporaries(gguf_dir):
     is 128 x 256."""
     from ringswap.lora import dense_fold, gguf_kernels
     assert set(dense_fold.FALLBACK_BYTES) == set(gguf_kernels.ROW_BYTES), "a planned fallback for each kernel"
+    from support.lora_files import build_lora
     cuda, largest = torch.device("cuda"), 128 * 256
+    lora_bytes = sum(t.numel() * t.element_size() for k, t in build_lora("kohya", blocks=BLOCKS).items() if ".lora_" in k)
     cases = {("Q8_0", None): None, ("Q4_K", None): 3.6, ("Q5_0", None): 8.7, ("Q8_0", "kohya"): 2.2,
              ("Q4_K", "kohya"): 3.6, ("Q5_0", "kohya"): 8.7, ("Q5_0", "loha"): 16}
     for (qtype, lora), per_value in cases.items():
@@ -117,6 +119,11 @@ def test_dense_folds_plan_the_packs_dequantize_temporaries(gguf_dir):
         assert types == ({"Q8_0", "Q4_K"} if qtype == "Q4_K" and lora else {qtype}), (qtype, lora, types)
         assert folder.workspace_bytes(cuda) == math.ceil(largest * per_value), (qtype, lora)
         assert folder.writes_blocks is False, "dense folds leave the packed bytes as placed"
+        # the LoRA pairs kept on CUDA, planned as weights: rank 4 in float32, each pair laid out for
+        # the kernels in 16 ranks; none kept on the CPU, none before a fold
+        pairs = 4 * lora_bytes if lora == "kohya" else 0
+        assert (folder.pair_bytes(cuda), folder.pair_bytes(torch.device("cpu")), folder.kept_bytes(cuda)) \
+            == (pairs, 0, 0), (qtype, lora)
     comfy.model_management.unload_all_models()
 
 

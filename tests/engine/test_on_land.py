@@ -196,3 +196,40 @@ def test_a_dense_arena_hands_out_aligned_views_until_full():
     assert (b.data_ptr() - a.data_ptr()) % ALIGN == 0 and b.data_ptr() != a.data_ptr()
     assert arena.take((ALIGN + 1,), torch.uint8) is None, "no room left: the caller allocates"
     assert arena.restart().take((3, 5), torch.float32).data_ptr() == a.data_ptr()
+
+
+@pytest.mark.gpu
+def test_what_the_on_land_work_keeps_on_the_device_is_not_an_activation():
+    """LoRA pairs moved to the device by their first fold are weights, planned as such: the
+    first call's activation peak leaves out what the on-land work keeps from then on (its
+    `kept_bytes`), and counts it where the work does not say."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ringswap.swap.recovery import run_call
+    device, kept = torch.device("cuda", torch.cuda.current_device()), 64 * 2**20
+    blocks = make_blocks()
+    engine = BlockSwapEngine(list(blocks))
+
+    class KeepsPairs:
+        def __init__(self):
+            self.pairs = None
+
+        def __call__(self, block, tensors):
+            if self.pairs is None:   # moved to the device by the first fold, kept from then on
+                self.pairs = torch.ones(kept, dtype=torch.uint8, device=tensors[0].device)
+
+        def kept_bytes(self, on: torch.device) -> int:
+            return self.pairs.numel() if self.pairs is not None and self.pairs.device == on else 0
+
+    class Unsaid(KeepsPairs):
+        kept_bytes = None
+
+    peaks = {}
+    for work in (KeepsPairs(), Unsaid()):
+        engine.attach(device, ResidencyPlan.make(N, 1, 1), on_land=work)
+        x = X.to(device)
+        run_call(engine, lambda: run(blocks, x), lambda: None, lambda old, new: None)
+        peaks[type(work).__name__] = engine.att.stats.activation_peak
+        engine.end_run()
+        engine.detach()
+    assert peaks["KeepsPairs"] < kept <= peaks["Unsaid"], peaks
