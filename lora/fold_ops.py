@@ -101,15 +101,14 @@ class FoldOp:
         if not self.pairs or device.type not in self.fused_devices:
             return 0
         return max(kernels.Pairs.nbytes(self.pairs),
-                   sum((u.numel() + d.numel()) * u.element_size() for u, d, _ in self.pairs))
+                   sum(u.nbytes + d.nbytes for u, d, _ in self.pairs))
 
     def kept_bytes(self, device: torch.device) -> int:
         """Device bytes of this weight's LoRA pairs kept on `device` now."""
         kept = 0
-        for key, pairs in self._on_device.items():
-            if (key[1] if key[0] == "kernels" else key[0]) == device:
-                tensors = (pairs.up, pairs.down) if key[0] == "kernels" else [t for u, d, _ in pairs for t in (u, d)]
-                kept += sum(t.numel() * t.element_size() for t in tensors)
+        for pairs in self._on_device.values():
+            tensors = (pairs.up, pairs.down) if isinstance(pairs, kernels.Pairs) else [t for u, d, _ in pairs for t in (u, d)]
+            kept += sum(t.nbytes for t in tensors if t.device == device)
         return kept
 
     def kernel_pairs(self, w: torch.Tensor) -> "kernels.Pairs | None":
