@@ -108,7 +108,8 @@ class FoldOp:
         kept = 0
         for pairs in self._on_device.values():
             tensors = (pairs.up, pairs.down) if isinstance(pairs, kernels.Pairs) else [t for u, d, _ in pairs for t in (u, d)]
-            kept += sum(t.nbytes for t in tensors if t.device == device)
+            kept += sum(t.nbytes for t in tensors
+                        if t.device.type == device.type and device.index in (None, t.device.index))
         return kept
 
     def kernel_pairs(self, w: torch.Tensor) -> "kernels.Pairs | None":
