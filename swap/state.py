@@ -112,6 +112,17 @@ class Attachment:
         return RunStats(p.num_blocks, len(p.resident), len(p.streamed), p.ring_slots,
                         p.window, p.prefetch, self.memory)
 
+    def dense_held_bytes(self) -> int:
+        """Device bytes of the dense weights the on-land work makes, held while attached: the ring
+        slots' arenas, the two arenas of the resident blocks folded per call, and the sets the
+        other resident blocks hold from placing on (swap/dense_arena.py)."""
+        slots = sum(s.dense.nbytes for s in self.ring.slots if s.dense is not None) if self.ring else 0
+        sets = sum(a.nbytes for a in self.resident_folds.arenas) if self.resident_folds else 0
+        size = getattr(self.on_land, "dense_bytes", None)
+        per_call = self.resident_work.blocks if self.resident_work else frozenset()
+        held = sum(size(i) for i in self.plan.resident if i not in per_call) if size is not None else 0
+        return slots + sets + held
+
     def upcoming(self) -> list[int]:
         """Streamed blocks in call order after the last one called (wrapping)."""
         return self.order.upcoming()

@@ -249,10 +249,12 @@ def plan_for_load(patcher, device: torch.device, full_load: bool) -> WindowPlan:
 
 def free_for(patcher, device: torch.device) -> int:
     """Device memory `patcher`'s model can have now: free plus what it holds (its LoRA pairs
-    kept on the device included)."""
-    folder = patcher.ringswap_run.folder
+    kept on the device and the dense weights its attached blocks hold included: neither is in
+    ComfyUI's model_loaded_weight_memory)."""
+    folder, att = patcher.ringswap_run.folder, patcher.swap_engine.att
     kept = folder.kept_bytes(device) if folder is not None else 0
-    return int(features.free_vram(device) + patcher.model.model_loaded_weight_memory + kept)
+    dense = att.dense_held_bytes() if att is not None and att.device == device else 0
+    return int(features.free_vram(device) + patcher.model.model_loaded_weight_memory + kept + dense)
 
 
 def ran_here(patcher, device: torch.device, plan: ResidencyPlan, conds: int) -> bool:

@@ -42,6 +42,9 @@ def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype, other):
         # the pack's dequantize of every type here but Q8_0 waits for the stream: made dense on landing instead
         dense = model.ringswap_run.plan.inputs.dense_bytes
         assert any(dense) == (qtype != "Q8_0"), (qtype, dense)
+        plan = model.ringswap_run.plan   # what the blocks hold beyond their bytes is the planned dense weights
+        assert engine.att.dense_held_bytes() == pytest.approx(plan.block_bytes_on_device - engine.device_bytes(),
+                                                              rel=0.02, abs=4096), (qtype, window, prefetch)
         comfy.model_management.unload_all_models()
 
 

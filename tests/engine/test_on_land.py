@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
+from ringswap.swap.dense_arena import aligned
 from ringswap.swap.state import ResidentWork
 from ringswap.swap.transfer import LAND_SAMPLE
 
@@ -183,6 +184,9 @@ def test_dense_replacements_are_cut_from_the_slots_and_the_resident_sets_arenas(
                 assert all(a is not b for a, b in zip(per_call, per_call[1:])), "the two in turn"
             else:
                 assert per_call == [], "held dense weights are made once, at placing"
+            per_call_sets = 2 * aligned(fold.nbytes) if resident_work is not None and plan.resident else 0
+            held = 0 if resident_work is not None else len(plan.resident) * fold.nbytes
+            assert engine.att.dense_held_bytes() == len(slots) * aligned(fold.nbytes) + per_call_sets + held
         engine.end_run()
         engine.detach()
 
