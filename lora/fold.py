@@ -39,10 +39,18 @@ class BlockFolder:
         self.ops = ops
         self._dense = {b: [op for op in v if isinstance(op, DenseOp)] for b, v in ops.items()}
         self._in_place = {b: [op for op in v if not isinstance(op, DenseOp)] for b, v in ops.items()}
+        self._folded: set[int] = set()   # blocks folded since the pairs were last released
 
     def __call__(self, block: int, tensors: list[torch.Tensor], out: DenseArena | None = None
                  ) -> dict[int, torch.Tensor] | None:
-        return self._run(self.ops.get(block, ()), tensors, out)
+        dense = self._run(self.ops.get(block, ()), tensors, out)
+        self._folded.add(block)
+        return dense
+
+    def warm(self, block: int) -> bool:
+        """Does a fold of `block` cost what later ones will? Not its first with LoRA pairs: that
+        one moves them to the device and lays them out (swap.state.warm: not timed)."""
+        return block in self._folded or not any(op.pairs for op in self.ops.get(block, ()))
 
     def in_place(self, block: int, tensors: list[torch.Tensor]) -> None:
         """The fold work that writes the block's own tensors (once, where it stays resident)."""
@@ -51,7 +59,9 @@ class BlockFolder:
     def dense(self, block: int, tensors: list[torch.Tensor], out: DenseArena | None = None
               ) -> dict[int, torch.Tensor] | None:
         """The dense weights to bind while the block computes (before each call, where resident)."""
-        return self._run(self._dense.get(block, ()), tensors, out)
+        dense = self._run(self._dense.get(block, ()), tensors, out)
+        self._folded.add(block)
+        return dense
 
     def resident_work(self) -> ResidentWork:
         """How a resident block is folded: in place once, its dense weights before each call."""
@@ -105,6 +115,7 @@ class BlockFolder:
         for ops in self.ops.values():
             for op in ops:
                 op._on_device.clear()
+        self._folded.clear()
 
     def __repr__(self):
         return f"BlockFolder({sum(len(v) for v in self.ops.values())} weights in {len(self.ops)} blocks)"

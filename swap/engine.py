@@ -26,7 +26,7 @@ from .slot_ring import Slot, SlotRing
 from .coding import Coding, coding_for, keep_coder
 from .plane_codec import PlaneCoder
 from .sources import CodedSource, FileSource, RamSource
-from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, writes_blocks
+from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, warm, writes_blocks
 from .stats import RunStats
 
 log = logging.getLogger("ringswap.engine")
@@ -297,7 +297,8 @@ class BlockSwapEngine:
         s.slot = slot
         if att.on_land is not None and not slot.landed:
             fold = att.on_land if slot.dense is None else partial(att.on_land, out=slot.dense.restart())
-            replaced = att.copier.landed(fold, block, slot.views(s.layout), ready=slot.ready)
+            replaced = att.copier.landed(fold, block, slot.views(s.layout), ready=slot.ready,
+                                         sample=warm(att.on_land, block))
             slot.replaced = s.binding.bindable(replaced) if replaced else None
         slot.landed = True
         s.binding.bind_joined(slot.joined(s.layout))

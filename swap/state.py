@@ -50,6 +50,14 @@ def kept_bytes(on_land: OnLand | None, device: torch.device) -> int:
     return kept(device) if kept is not None else 0
 
 
+def warm(on_land: OnLand | None, block: int) -> bool:
+    """Is a landing of `block` timed like the ones after it? Not where `on_land` says it has
+    one-time work left for the block (`warm(block)` False: the LoRA pairs moved and laid out
+    on its first fold), which would make the fold look several times dearer to the planner."""
+    is_warm = getattr(on_land, "warm", None)
+    return is_warm(block) if is_warm is not None else True
+
+
 @dataclass(frozen=True)
 class ResidentWork:
     """On-land work of `blocks` split for where they stay resident: `placed` once, when placed

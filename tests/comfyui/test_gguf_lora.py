@@ -63,9 +63,11 @@ def test_lora_on_gguf_folds_once_per_landing_and_equals_comfyui_gguf(gguf_dir, f
         (model,) = RingSwapPatch().patch(lora_on(base, fmt), window, prefetch, "auto")
         folder = model.block_folder_on(model.load_device)
         assert folder is not None and any(folder.dense_bytes(b) for b in range(BLOCKS)), "dense folds planned"
+        assert not any(map(folder.warm, range(BLOCKS))), "a block's first fold moves its pairs: not timed"
         for _ in range(2):
             got = forward(model, *inputs(seed=0))
             assert same_lora(got, want), (fmt, qtype, window)
+        assert all(map(folder.warm, range(BLOCKS))), "folded once: timed from now on"
         comfy.model_management.unload_all_models()
     (model,) = RingSwapPatch().patch(base, 2, 1, "auto")
     assert torch.equal(forward(model, *inputs(seed=0)), plain), "nothing of the LoRA stays behind"

@@ -237,3 +237,37 @@ def test_what_the_on_land_work_keeps_on_the_device_is_not_an_activation():
         engine.end_run()
         engine.detach()
     assert peaks["KeepsPairs"] < kept <= peaks["Unsaid"], peaks
+
+
+def test_a_blocks_first_fold_is_not_timed_where_the_work_says_it_is_cold():
+    """A block's first fold may do one-time work (LoRA pairs moved to the device and laid out):
+    where the on-land work says so (`warm(block)` False) that landing is not timed, so the fold
+    time the planner reads is what later landings cost; without `warm` every landing may be."""
+    import time
+
+    class FirstFoldSlow:
+        def __init__(self):
+            self.folded = set()
+
+        def __call__(self, block, tensors):
+            if block not in self.folded:
+                time.sleep(0.03)
+            self.folded.add(block)
+
+        def warm(self, block: int) -> bool:
+            return block in self.folded
+
+    class Unsaid(FirstFoldSlow):
+        warm = None
+
+    blocks = make_blocks()
+    engine = BlockSwapEngine(list(blocks))
+    spans = {}
+    for work in (FirstFoldSlow(), Unsaid()):
+        engine.attach("cpu", ResidencyPlan.make(N, 1, 0), on_land=work)
+        for _ in range(8):
+            run(blocks, X)
+        spans[type(work).__name__] = engine.end_run().land_times
+        engine.detach()
+    assert spans["FirstFoldSlow"] and max(spans["FirstFoldSlow"]) < 0.01, spans
+    assert max(spans["Unsaid"]) >= 0.03, spans
