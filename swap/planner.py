@@ -321,8 +321,9 @@ def keep_attached(new: WindowPlan, attached: ResidencyPlan, ran_here: bool) -> W
     plan (e.g. one re-planned mid-run); for an automatic plan that ran this latent size last
     time with no more memory than now (`ran_here`), the attached residency when it is past the
     room by the numbers (the first run's own start-up allocations, e.g. kernels, came out of
-    the free memory) or its copies hide under compute (a larger window saves little per step,
-    placing the blocks again costs seconds); None when the blocks must be placed again."""
+    the free memory), its copies hide under compute, or `new` is not REPLAN_GAIN faster a call
+    (a larger window saves little per step, placing the blocks again costs seconds: 1.5 s on
+    a Q8_0 Wan-14B's next prompt for 1%, bench/RESULTS.md); None when the blocks must be placed again."""
     if attached.num_blocks == new.residency.num_blocks:
         new = _near(new, attached)
     if new.residency == attached:
@@ -330,7 +331,9 @@ def keep_attached(new: WindowPlan, attached: ResidencyPlan, ran_here: bool) -> W
     if not (new.automatic and ran_here) or attached.num_blocks != new.residency.num_blocks:
         return None
     kept = replace(new, residency=attached)
-    return kept if kept.over_bytes or kept.bound in ("hidden", "resident") else None
+    if kept.over_bytes or kept.bound in ("hidden", "resident"):
+        return kept
+    return kept if kept.timed and new.call_s > kept.call_s * REPLAN_GAIN else None
 
 
 def shrink_after_oom(plan: WindowPlan) -> WindowPlan | None:
