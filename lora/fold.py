@@ -39,18 +39,17 @@ class BlockFolder:
         self.ops = ops
         self._dense = {b: [op for op in v if isinstance(op, DenseOp)] for b, v in ops.items()}
         self._in_place = {b: [op for op in v if not isinstance(op, DenseOp)] for b, v in ops.items()}
+        self._with_pairs = frozenset(b for b, v in ops.items() if any(op.pairs for op in v))
         self._folded: set[int] = set()   # blocks folded since the pairs were last released
 
     def __call__(self, block: int, tensors: list[torch.Tensor], out: DenseArena | None = None
                  ) -> dict[int, torch.Tensor] | None:
-        dense = self._run(self.ops.get(block, ()), tensors, out)
-        self._folded.add(block)
-        return dense
+        return self._fold(block, self.ops.get(block, ()), tensors, out)
 
     def warm(self, block: int) -> bool:
         """Does a fold of `block` cost what later ones will? Not its first with LoRA pairs: that
         one moves them to the device and lays them out (swap.state.warm: not timed)."""
-        return block in self._folded or not any(op.pairs for op in self.ops.get(block, ()))
+        return block in self._folded or block not in self._with_pairs
 
     def in_place(self, block: int, tensors: list[torch.Tensor]) -> None:
         """The fold work that writes the block's own tensors (once, where it stays resident)."""
@@ -59,7 +58,11 @@ class BlockFolder:
     def dense(self, block: int, tensors: list[torch.Tensor], out: DenseArena | None = None
               ) -> dict[int, torch.Tensor] | None:
         """The dense weights to bind while the block computes (before each call, where resident)."""
-        dense = self._run(self._dense.get(block, ()), tensors, out)
+        return self._fold(block, self._dense.get(block, ()), tensors, out)
+
+    def _fold(self, block: int, ops, tensors: list[torch.Tensor], out: DenseArena | None
+              ) -> dict[int, torch.Tensor] | None:
+        dense = self._run(ops, tensors, out)
         self._folded.add(block)
         return dense
 

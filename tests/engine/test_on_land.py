@@ -1,5 +1,7 @@
 """On-land work (a LoRA fold) in the swap engine, on CPU: once per landing, replacements bound
 instead, resident blocks folded before each call."""
+import time
+
 import pytest
 import torch
 
@@ -243,8 +245,6 @@ def test_a_blocks_first_fold_is_not_timed_where_the_work_says_it_is_cold():
     """A block's first fold may do one-time work (LoRA pairs moved to the device and laid out):
     where the on-land work says so (`warm(block)` False) that landing is not timed, so the fold
     time the planner reads is what later landings cost; without `warm` every landing may be."""
-    import time
-
     class FirstFoldSlow:
         def __init__(self):
             self.folded = set()
