@@ -23,8 +23,10 @@ SHAPES = [(5120, 5120)] * 8 + [(13824, 5120), (5120, 13824)]
 CONFIGS = {"fp8": [(64, 64, 4), (64, 128, 4), (128, 128, 4), (128, 64, 4), (32, 64, 4)],
            "nvfp4": [(64, 64, 4), (128, 32, 4), (32, 64, 4), (64, 32, 4), (128, 64, 4)],
            "q8_0": [(128, 128, 8), (64, 128, 4), (64, 256, 8), (128, 64, 4), (32, 128, 4), (64, 64, 4)],
-           "q4_k": [(64, 256, 8), (32, 256, 4), (128, 256, 8), (64, 512, 8), (16, 256, 4)],
-           "q5_k": [(64, 256, 8), (32, 256, 4)], "q6_k": [(64, 256, 8), (32, 256, 4)]}
+           "q4_k": [(64, 256, 8), (32, 256, 4), (128, 256, 8), (64, 512, 8), (16, 256, 4), (64, 128, 4),
+                    (128, 128, 8), (128, 128, 4), (64, 256, 4), (128, 64, 4), (256, 128, 8), (32, 512, 8)],
+           "q5_k": [(64, 256, 8), (32, 256, 4), (64, 128, 4), (128, 128, 8)],
+           "q6_k": [(64, 256, 8), (32, 256, 4), (64, 128, 4), (128, 128, 8)]}
 
 
 def lora(m, n, g):
@@ -116,6 +118,8 @@ def k_quant_bytes(kind, m, n, g):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kinds", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                    help="the kernels whose tiles are timed (the GGUF ones also without pairs)")
     a = ap.parse_args()
     g = torch.Generator(device=DEV).manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -139,7 +143,7 @@ def main():
                         "lora": lora(m, n, g)})
         del w
     best = {}
-    for kind, configs in CONFIGS.items():
+    for kind, configs in ((k, CONFIGS[k]) for k in a.kinds):
         for cfg in configs + [cfg + ("br32",) for cfg in configs[:1]]:
             K.TILES[kind] = cfg[:3]
             for wt in weights:   # ranks per dot: K.WIDE_BR, or 32 for the "br32" row
@@ -159,8 +163,12 @@ def main():
             try:
                 first = timed(lambda: block(True), a.reps)
                 ms = timed(block, a.reps)
+                bare = ""
+                if kind == "q8_0" or kind in K_QUANTS:   # the pairs' share: the same tile without them
+                    alone = timed(lambda: [G.dense(kind.upper(), *wt[kind], None) for wt in weights], a.reps)
+                    bare = f"; without pairs {alone:.2f} ms, the pairs add {ms - alone:.2f} ms"
                 print(f"{kind} tile {cfg}: {ms:.2f} ms per Wan-14B block landing again "
-                      f"({first:.2f} ms the first time)", flush=True)
+                      f"({first:.2f} ms the first time){bare}", flush=True)
                 if not cfg[3:] and (kind not in best or ms < best[kind][0]):
                     best[kind] = (ms, cfg)
             except Exception as e:   # noqa: BLE001
