@@ -75,6 +75,17 @@ def warm_cuda_libraries(dev: torch.device) -> None:
     torch.cuda.synchronize(dev)
 
 
+def rss_parts() -> dict:
+    """RSS by kind in bytes (Linux /proc/self/status: anonymous, file-backed such as mapped files
+    and shared libraries, shared memory), to tell a model's copy from libraries; {} elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                    if k in ("RssAnon", "RssFile", "RssShmem")}
+    except OSError:
+        return {}
+
+
 def block_lora(patcher, rank: int, seed: int = 0) -> dict:
     """A rank-`rank` LoRA (bf16, ComfyUI's generic key format) on every linear layer of every
     transformer block of `patcher`'s model."""
@@ -216,13 +227,13 @@ def child(a) -> dict:
     dev = mm.get_torch_device()
     warm_cuda_libraries(dev)
     vram0 = common.device_used_bytes()
-    rss0 = common.rss_bytes()
+    rss0, parts0 = common.rss_bytes(), rss_parts()
     sampler = common.RssSampler(0.05, vram=True).start()
     t0 = time.perf_counter()
     obj, how, patcher = build(cfg, a, dev)
     out = {"config": a.child, "kind": cfg.kind, "comfy": cfg.comfy, "dynamic_vram": cfg.dynamic,
            "patcher": type(patcher).__name__, "load_s": time.perf_counter() - t0, "rss_base": rss0,
-           "rss_after_load": common.rss_bytes(), "file_bytes": os.path.getsize(a.path),
+           "rss_base_parts": parts0, "rss_after_load": common.rss_bytes(), "rss_after_load_parts": rss_parts(), "file_bytes": os.path.getsize(a.path),
            "env": common.env_info(dev), "rows": []}
     steps = a.disk_steps if cfg.kind == "disk" else a.steps
     runs = keep_run_stats(obj if how == "experts" else [patcher])
@@ -244,7 +255,7 @@ def child(a) -> dict:
             row.update(first_step_s=times[0], steps=times, s_per_step=common.steady_s(times) or times[0])
         except torch.OutOfMemoryError as e:
             row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
-        row.update(rss_steady=common.rss_bytes(), rss_peak=sampler.peak, pinned=common.pinned_bytes(),
+        row.update(rss_steady=common.rss_bytes(), rss_steady_parts=rss_parts(), rss_peak=sampler.peak, pinned=common.pinned_bytes(),
                    vram_peak=None if vram0 is None else sampler.vram_peak - vram0,
                    vram_torch_peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
         if dev.type == "cuda":   # the caching allocator freeing its cache to retry (a device sync each)
