@@ -1,4 +1,5 @@
-"""Give back the RAM of file-mapped tensors once their bytes are copied into a home.
+"""Give back the RAM of file-mapped tensors once their bytes are copied into a home, or once
+the model's other weights have been moved to the device.
 
 A model whose weights are views of a memory-mapped file (ComfyUI-GGUF maps the .gguf) keeps
 every page it has read in the process's RSS while the map lives, so copying its blocks into
@@ -15,6 +16,7 @@ import ctypes
 import logging
 import mmap
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -60,12 +62,15 @@ class FileMaps:
     def page_out(self, tensors: list[torch.Tensor]) -> int:
         """Page out the whole pages of these CPU tensors that lie in a file mapping; the bytes
         given back (0 where nothing applies or the kernel refuses)."""
+        return self.page_out_ranges([_extent(t) for t in tensors if t.device.type == "cpu" and t.numel()
+                                     and t.is_contiguous()])
+
+    def page_out_ranges(self, ranges: list[tuple[int, int]]) -> int:
+        """page_out for address ranges (start, end): only those inside a file mapping now."""
         done = 0
-        for t in tensors:
-            if self._madvise is None or t.device.type != "cpu" or t.numel() == 0 or not t.is_contiguous():
-                continue
-            start = t.data_ptr()
-            end = start + t.numel() * t.element_size()
+        for start, end in ranges:
+            if self._madvise is None:
+                break
             lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
             if hi <= lo or not self._mapped(start, end):
                 continue
@@ -75,3 +80,53 @@ class FileMaps:
                 continue
             done += hi - lo
         return done
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """A module's CPU parameter or buffer that was a view of a file mapping, and where it lay."""
+    module: torch.nn.Module
+    name: str
+    start: int
+    end: int
+
+    def moved(self) -> bool:
+        """Does the module hold something else there now (moved to a device, or replaced)?"""
+        t = self.module._parameters.get(self.name, self.module._buffers.get(self.name))
+        return t is None or t.device.type != "cpu" or t.data_ptr() != self.start
+
+
+def mapped_tensors(model: torch.nn.Module) -> list[Mapped]:
+    """`model`'s CPU parameters and buffers that are views of a file mapping ([] off Linux)."""
+    maps = FileMaps()
+    if not maps.ranges:
+        return []
+    out = []
+    for mod in model.modules():
+        for name, t in (*mod._parameters.items(), *mod._buffers.items()):
+            if t is not None and t.device.type == "cpu" and t.numel() and t.is_contiguous():
+                start, end = _extent(t)
+                if maps._mapped(start, end):
+                    out.append(Mapped(mod, name, start, end))
+    return out
+
+
+def page_out_moved(mapped: list[Mapped]) -> int:
+    """Page out the file pages of those `mapped` tensors whose modules no longer hold them (e.g.
+    ComfyUI moved the non-block weights to the GPU): the map's pages would stay in the RSS,
+    unused, while the map lives. Runs of moved neighbours go as one range, so the pages their
+    small tensors share go too. The bytes given back."""
+    runs: list[list[int]] = []
+    last_moved = False
+    for m in sorted(mapped, key=lambda m: m.start):
+        moved = m.moved()
+        if moved and last_moved:
+            runs[-1][1] = max(runs[-1][1], m.end)
+        elif moved:
+            runs.append([m.start, m.end])
+        last_moved = moved
+    return FileMaps().page_out_ranges([(a, b) for a, b in runs]) if runs else 0

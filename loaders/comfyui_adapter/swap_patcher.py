@@ -24,6 +24,7 @@ import comfy.model_patcher
 from ...lora.fold import BlockFolder, block_folder
 from ...swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ...swap.host_pool import set_pin_budget
+from ...swap.page_out import mapped_tensors, page_out_moved
 from ...swap.planner import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
 from . import compress_choice, gguf_tensors, live_feed, ram_room, run_plan
@@ -171,11 +172,13 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             if len(split.ram_blocks) > len(ram_blocks):
                 engine.reattach(plan.residency, split.ram_blocks, after_oom=False)
         live_feed.observe(engine, self.ringswap_node)
+        mapped = mapped_tensors(self.model)   # non-block weights still views of the file's map (.gguf)
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:
             engine.detach()
             raise
+        given_back = page_out_moved(mapped)
         if not self.model.model_lowvram:
             self.model.model_loaded_weight_memory = self.model_size()
         else:
@@ -184,8 +187,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         dense = max((folder.dense_bytes(i) for i in range(engine.num_blocks)), default=0) if folder else 0
         pairs = folder.pair_bytes(device) if folder else 0
         coding = compress_choice.line(engine, why, plan.residency.streamed, plan.inputs.calls_per_step)
-        log.info("%s; %s memory, %.2f GB at home%s%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
+        log.info("%s; %s memory, %.2f GB at home%s%s%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
                  engine.pool.nbytes / 1e9, f"; {split.line()}" if split is not None else "",
+                 f"; {given_back / 1e9:.2f} GB of the file's pages given back" if given_back else "",
                  f"; {coding}" if coding else "",
                  f"; LoRA pairs: {pairs / 1e9:.2f} GB kept on the device (planned as non-block)" if pairs else "",
                  f"; GGUF dense weights: {dense / 1e9:.2f} GB a block on the device (planned"

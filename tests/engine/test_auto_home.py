@@ -245,3 +245,43 @@ def _kernel_pages_out(tmp_path) -> bool:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         FileMaps().page_out([torch.from_numpy(mm)])
     return touched - _rss_file() >= 4 << 20 and touched > before
+
+
+def test_weights_moved_off_a_file_mapping_give_its_pages_back(tmp_path):
+    """The non-block weights of a model mapped from its file (ComfyUI-GGUF), once ComfyUI has
+    moved them (here: new data in the same Parameter, as Module.to does), leave the RSS; those
+    still held in the map are found and kept, and read the same."""
+    import os
+    import warnings
+
+    import numpy as np
+    from ringswap.swap import page_out as po
+    big = 2 << 20
+    path = tmp_path / "weights.bin"
+    data = torch.randn(3, big // 4)
+    with open(path, "wb") as f:
+        f.write(data.numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    mm = np.memmap(path, dtype=np.float32, mode="r")
+    model = torch.nn.Module()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        for i, name in enumerate(("moved", "replaced", "kept")):
+            view = torch.from_numpy(mm[i * (big // 4):(i + 1) * (big // 4)])
+            model.register_parameter(name, torch.nn.Parameter(view, requires_grad=False))
+    float(sum(p.sum() for p in model.parameters()))   # every page read once
+    mapped = po.mapped_tensors(model)
+    if not po.FileMaps().ranges:   # off Linux nothing is mapped or given back
+        assert mapped == [] and po.page_out_moved(mapped) == 0
+        return
+    assert sorted(m.name for m in mapped) == ["kept", "moved", "replaced"]
+    assert po.page_out_moved(mapped) == 0   # nothing moved yet
+    touched = _rss_file()
+    model.moved.data = model.moved.data.clone()   # the same Parameter, its data elsewhere
+    model.replaced = torch.nn.Parameter(model.replaced.detach().clone(), requires_grad=False)
+    gave = po.page_out_moved(mapped)
+    assert gave == 0 or 2 * big - 2 * po.PAGE <= gave <= 2 * big, gave   # 0: a kernel without MADV_PAGEOUT
+    assert torch.equal(model.kept, data[2]) and torch.equal(model.moved, data[0])
+    if touched is not None and _kernel_pages_out(tmp_path):
+        assert gave and touched - _rss_file() >= 0.8 * 2 * big, (gave, touched, _rss_file())
