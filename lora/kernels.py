@@ -39,7 +39,7 @@ FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}   # manti
 WIDE_BR = 64   # ranks per dot for 16-bit factors whose ranks allow it (32 otherwise)
 # rows, columns, warps of a tile (bench/fold_kernels.py); the GGUF ones are lora/gguf_kernels.py's
 TILES = {"fp8": (64, 64, 4), "add": (128, 128, 8), "nvfp4": (64, 64, 4), "q8_0": (128, 128, 8),
-         "q4_k": (64, 128, 4), "q5_k": (64, 128, 4), "q6_k": (32, 256, 4), "q4_0": (128, 128, 8),
+         "q4_k": (64, 128, 4), "q5_k": (64, 128, 4), "q6_k": (64, 128, 4), "q4_0": (128, 128, 8),
          "q4_1": (128, 128, 8), "q5_0": (128, 128, 8), "q5_1": (128, 128, 8)}
 
 
