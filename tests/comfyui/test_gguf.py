@@ -240,3 +240,25 @@ def test_gguf_on_cuda_bit_exact_and_lora_close(gguf_dir, qtype):
         assert any(name == kind for name, _ in kernels._BUILT), f"{kind} dequantized and patched in one kernel"
     from ringswap.lora import dense_fold
     assert dense_fold._KERNEL_OK and all(dense_fold._KERNEL_OK.values()), dense_fold._KERNEL_OK
+
+
+@pytest.mark.gpu
+def test_gguf_patch_on_cuda_gives_the_non_block_pages_back(gguf_dir, caplog):
+    """On CUDA: once a Patch on a GGUF MODEL has loaded, no weight of it is left a view of the
+    pack's memory map (the blocks in their homes, the others on the GPU), and on a Linux kernel
+    with MADV_PAGEOUT the load line says how much of the map's pages went back."""
+    import logging
+
+    from ringswap.swap import page_out
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    comfy.model_management.unload_all_models()
+    (model,) = RingSwapPatch().patch(load_gguf("wan_Q8_0_F32.gguf"), 1, 1, "auto")
+    with caplog.at_level(logging.INFO, logger="ringswap"):
+        forward(model, *inputs(seed=0))
+    assert page_out.mapped_tensors(model.model) == []
+    import platform
+    kernel = tuple(int(p) for p in platform.release().split(".")[:2] if p.isdigit())
+    if page_out.FileMaps().ranges and kernel >= (5, 4):   # MADV_PAGEOUT: Linux 5.4+
+        assert any("of the file's pages given back" in r.getMessage() for r in caplog.records)
+    comfy.model_management.unload_all_models()
