@@ -233,7 +233,8 @@ def child(a) -> dict:
     obj, how, patcher = build(cfg, a, dev)
     out = {"config": a.child, "kind": cfg.kind, "comfy": cfg.comfy, "dynamic_vram": cfg.dynamic,
            "patcher": type(patcher).__name__, "load_s": time.perf_counter() - t0, "rss_base": rss0,
-           "rss_base_parts": parts0, "rss_after_load": common.rss_bytes(), "rss_after_load_parts": rss_parts(), "file_bytes": os.path.getsize(a.path),
+           "rss_base_parts": parts0, "rss_after_load": common.rss_bytes(), "rss_after_load_parts": rss_parts(),
+           "file_bytes": os.path.getsize(a.path),
            "env": common.env_info(dev), "rows": []}
     steps = a.disk_steps if cfg.kind == "disk" else a.steps
     runs = keep_run_stats(obj if how == "experts" else [patcher])
@@ -255,7 +256,8 @@ def child(a) -> dict:
             row.update(first_step_s=times[0], steps=times, s_per_step=common.steady_s(times) or times[0])
         except torch.OutOfMemoryError as e:
             row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
-        row.update(rss_steady=common.rss_bytes(), rss_steady_parts=rss_parts(), rss_peak=sampler.peak, pinned=common.pinned_bytes(),
+        row.update(rss_steady=common.rss_bytes(), rss_steady_parts=rss_parts(), rss_peak=sampler.peak,
+                   pinned=common.pinned_bytes(),
                    vram_peak=None if vram0 is None else sampler.vram_peak - vram0,
                    vram_torch_peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
         if dev.type == "cuda":   # the caching allocator freeing its cache to retry (a device sync each)

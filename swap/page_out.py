@@ -120,13 +120,13 @@ def page_out_moved(mapped: list[Mapped]) -> int:
     ComfyUI moved the non-block weights to the GPU): the map's pages would stay in the RSS,
     unused, while the map lives. Runs of moved neighbours go as one range, so the pages their
     small tensors share go too. The bytes given back."""
-    runs: list[list[int]] = []
+    runs: list[tuple[int, int]] = []
     last_moved = False
     for m in sorted(mapped, key=lambda m: m.start):
         moved = m.moved()
         if moved and last_moved:
-            runs[-1][1] = max(runs[-1][1], m.end)
+            runs[-1] = (runs[-1][0], max(runs[-1][1], m.end))
         elif moved:
-            runs.append([m.start, m.end])
+            runs.append((m.start, m.end))
         last_moved = moved
-    return FileMaps().page_out_ranges([(a, b) for a, b in runs]) if runs else 0
+    return FileMaps().page_out_ranges(runs) if runs else 0
