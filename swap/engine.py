@@ -98,10 +98,7 @@ class BlockSwapEngine:
         reads); calls progress(done_bytes, total_bytes). Returns the bytes read."""
         if self.home != "ram" or self.read_block is None:
             return 0
-        return self._read_homes(range(self.num_blocks), progress)
-
-    def _read_homes(self, blocks: Iterable[int], progress: Callable[[int, int], None] | None = None) -> int:
-        return home.read_homes([self.states[i] for i in blocks], self.pool, self.read_block, progress)
+        return home.read_homes(self.states, self.pool, self.read_block, progress)
 
     def ram_homes(self, plan: ResidencyPlan, ram_blocks: Iterable[int] | None = None) -> frozenset[int]:
         """The blocks that hold a host copy while `plan` is attached: every block (ram), none
@@ -120,10 +117,7 @@ class BlockSwapEngine:
         if self.home == "ram" and self.read_block is None:   # a resident block kept by reattach stays put
             home.capture([s for s in self.states if s.device_buffer is None], self.pool)
             return 0
-        return self._read_homes(sorted(keep), progress)
-
-    def _home_views(self, s: BlockState) -> list[torch.Tensor]:
-        return s.layout.views(self.pool.blocks[s.index].flat)
+        return home.read_homes([self.states[i] for i in sorted(keep)], self.pool, self.read_block, progress)
 
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, plan: ResidencyPlan,
@@ -253,7 +247,7 @@ class BlockSwapEngine:
                 s.device_buffer = None
                 s.slot = None
                 if s.index in self.pool.blocks:
-                    s.binding.bind(self._home_views(s))
+                    s.binding.bind(s.layout.views(self.pool.blocks[s.index].flat))
                 else:   # the weights live only in the file
                     s.unbind(torch.device("cpu"))
             if att.ring is not None:
@@ -352,7 +346,6 @@ class BlockSwapEngine:
     def _close_stats(self) -> RunStats:
         """Unbind any block left bound by an exception and fold the device timings into the
         run's stats (synchronises once)."""
-        att = self.att
         for s in self.states:
             if s.slot is not None:
                 s.unbind()
