@@ -102,6 +102,11 @@ def hang_patches(patcher, key: str, device_to, inplace_update: bool) -> bool:
     return True
 
 
+def holds_ggml(model: nn.Module) -> bool:
+    """Does `model` hold any of the pack's GGMLTensors (a GGUF MODEL)?"""
+    return any(type(p).__name__ == CLASS_NAME for p in model.parameters())
+
+
 def drop_patches(model: nn.Module) -> None:
     """Take the hung patches off every GGMLTensor (as the pack's unpatch_model does)."""
     for p in model.parameters():

@@ -173,6 +173,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
                 engine.reattach(plan.residency, split.ram_blocks, after_oom=False)
         live_feed.observe(engine, self.ringswap_node)
         mapped = mapped_tensors(self.model)   # non-block weights still views of the file's map (.gguf)
+        # GGUF: the pack's layers never read lowvram weight functions, so its patches are always
+        # hung on the weights (GGUFModelPatcher.load forces this too)
+        force_patch_weights = force_patch_weights or gguf_tensors.holds_ggml(self.model)
         try:
             super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:

@@ -200,3 +200,37 @@ def test_a_kernel_is_used_only_where_it_equals_the_packs_dequantize(gguf_dir, mo
         (key, ok), = dense_fold._KERNEL_OK.items()   # one check: one type, dequant and model dtype, device
         assert (key[0], key[1], key[3], ok) == ("Q4_K", torch.float16, torch.device("cpu"), used), key
         comfy.model_management.unload_all_models()
+
+
+def test_lora_on_quantized_non_block_weights_applies_where_comfyui_loads_them_lowvram(gguf_dir, tmp_path):
+    """Where ComfyUI's budget leaves non-block layers lowvram (a small card, --novram), a LoRA on
+    quantized non-block weights (a real Wan file's text and time embeddings and head) still
+    applies: the pack's layers never read ComfyUI's lowvram weight functions, so the patcher
+    hangs the patches on the weights, as the pack's own patcher forces. Equal to the pack's run."""
+    import os
+
+    from support.gguf_files import write_wan_gguf
+    from wan_model import tiny_wan
+    name = "wan_Q8_0_nonblock_q8.gguf"
+    write_wan_gguf(tiny_wan(str(tmp_path), blocks=BLOCKS, dtype=torch.float32), os.path.join(gguf_dir, name),
+                   "Q8_0", nonblock_linears=True)
+    head = load_gguf(name).model.diffusion_model.head.head.weight
+    assert type(head).__name__ == "GGMLTensor" and head.tensor_type.name == "Q8_0"
+    x = inputs(seed=0)
+    device = comfy.model_management.get_torch_device()
+
+    def lowvram_forward(model):   # every layer ComfyUI loads gets a budget of one byte
+        model.patch_model(device_to=device, lowvram_model_memory=1)
+        try:
+            with torch.no_grad():
+                return model.model.apply_model(x[0], x[1], c_crossattn=x[2]).clone()
+        finally:
+            model.unpatch_model(model.offload_device)
+    plain = forward(load_gguf(name), *x)
+    comfy.model_management.unload_all_models()
+    want = lowvram_forward(lora_on(load_gguf(name), "mixed"))
+    assert same_lora(forward(lora_on(load_gguf(name), "mixed"), *x), want), "the pack's lowvram run has the LoRA"
+    comfy.model_management.unload_all_models()
+    (model,) = RingSwapPatch().patch(lora_on(load_gguf(name), "mixed"), 2, 1, "auto")
+    got = lowvram_forward(model)
+    assert same_lora(got, want) and not torch.equal(got, plain)

@@ -38,10 +38,12 @@ BLOCK_LISTS = ("blocks.", "vace_blocks.", "double_blocks.", "single_blocks.")
 
 
 def write_wan_gguf(safetensors_path: str, path: str, qtype: str = "Q8_0", other: str = "F32",
-                   arch: str = "wan", bf16_1d: bool = False) -> str:
+                   arch: str = "wan", bf16_1d: bool = False, nonblock_linears: bool = False) -> str:
     """`path` (.gguf) holding the model of `safetensors_path` (Wan unless `arch` says another
     of ComfyUI-GGUF's architectures, e.g. "flux"), block linears in `qtype`; `bf16_1d`: the
-    blocks' 1-D tensors in BF16 (which ComfyUI-GGUF converts to F32 when it loads them)."""
+    blocks' 1-D tensors in BF16 (which ComfyUI-GGUF converts to F32 when it loads them);
+    `nonblock_linears`: the linears outside the blocks quantized too (text and time embeddings,
+    head), as ComfyUI-GGUF's converter writes a real Wan file."""
     q = QTYPES[qtype]
     w = gguf.GGUFWriter(path, arch)
     for n, (key, t) in enumerate(load_file(safetensors_path).items()):
@@ -50,7 +52,7 @@ def write_wan_gguf(safetensors_path: str, path: str, qtype: str = "Q8_0", other:
             data = gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16)
             w.add_tensor(key, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
             continue
-        linear = key.startswith(BLOCK_LISTS) and key.endswith(".weight") and t.ndim == 2
+        linear = (nonblock_linears or key.startswith(BLOCK_LISTS)) and key.endswith(".weight") and t.ndim == 2
         if linear and q in K_QUANTS and t.shape[1] % 256 == 0:
             data = random_k_quant(q, *t.shape, seed=n)
             w.add_tensor(key, data, raw_shape=data.shape, raw_dtype=q)
