@@ -34,7 +34,8 @@ except ImportError:   # CPU-only torch: the callers fold op by op
     triton = None
 
 _FAILED: set = set()   # (kernel, device) pairs that failed to build or run
-_BUILT: set = set()    # (kernel, device) pairs that ran: a later failure is a real error
+_BUILT: set = set()    # (kernel, device) pairs that ran
+_RAN: set = set()      # (kernel, device, compiled variant) that ran: a later failure is a real error
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}   # mantissa bits, min exponent
 WIDE_BR = 64   # ranks per dot for 16-bit factors whose ranks allow it (32 otherwise)
 # rows, columns, warps of a tile (bench/fold_kernels.py); the GGUF ones are lora/gguf_kernels.py's
@@ -94,12 +95,14 @@ class Pairs:
         return (pairs[0][0].shape[0] + pairs[0][1].shape[1]) * sum(ranks) * dtype.itemsize
 
     def fold_passes(self) -> tuple[int, tuple]:
-        """(scratch slot, passes) of the next fold: both passes the first time, then the
-        requantize pass with the kept amax. (A first fold that cannot run turns the kernel
-        off on that device, so what it kept is never read.)"""
-        passes = REQUANT_PASS if self.amax_kept else TWO_PASSES
-        self.amax_kept = True
-        return 0, passes
+        """(scratch slot, passes) of the next fold: both passes until a fold has run (`ran`),
+        then the requantize pass with the kept amax."""
+        return 0, REQUANT_PASS if self.amax_kept else TWO_PASSES
+
+    def ran(self, done: bool) -> bool:
+        """Note a fold's outcome (the amax is kept once one has run); returns `done`."""
+        self.amax_kept = self.amax_kept or done
+        return done
 
 
 if triton is not None:
@@ -266,9 +269,9 @@ def fold_fp8_(q: torch.Tensor, scale: torch.Tensor, pairs: Pairs, min_scale: flo
     slot, passes = pairs.fold_passes()
     args = (q.view(torch.uint8), scale, pairs.scratch, slot, pairs.up, pairs.down, pairs.scales,
             m, n, torch.finfo(q.dtype).max, min_scale)
-    return _launch("fp8", q, _fp8_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, passes,
-                   dict(RANK=pairs.rank, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec,
-                        num_warps=warps))
+    return pairs.ran(_launch("fp8", q, _fp8_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, passes,
+                             dict(RANK=pairs.rank, MBITS=mbits, EMIN=emin, BM=bm, BN=bn, BR=pairs.br,
+                                  PREC=pairs.prec, num_warps=warps)))
 
 
 def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Tensor, pairs: Pairs,
@@ -288,27 +291,40 @@ def fold_nvfp4_(qdata: torch.Tensor, scale: torch.Tensor, block_scale: torch.Ten
     slot, passes = pairs.fold_passes()
     args = (qdata, block_scale.view(torch.uint8), scale, pairs.scratch, slot, pairs.up, pairs.down,
             pairs.scales, m, n, groups, max_value, min_scale)
-    return _launch("nvfp4", qdata, _nvfp4_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args, passes,
-                   dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec, num_warps=warps))
+    return pairs.ran(_launch("nvfp4", qdata, _nvfp4_kernel, (triton.cdiv(m, bm), triton.cdiv(n, bn)), args,
+                             passes, dict(RANK=pairs.rank, BM=bm, BN=bn, BR=pairs.br, PREC=pairs.prec,
+                                          num_warps=warps)))
 
 
 TWO_PASSES = ({"REQUANT": False}, {"REQUANT": True})   # the amax pass, then the requantize pass
 REQUANT_PASS = TWO_PASSES[1:]
 
 
+def _variant(args: tuple, meta: dict) -> tuple:
+    """What Triton compiles a kernel for: its constexprs, the tensors' dtypes and 16-byte
+    alignment, and which integers are 1 or multiples of 16."""
+    return (tuple(sorted((k, repr(v)) for k, v in meta.items())),
+            tuple((str(a.dtype), a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                  else (a == 1, a % 16 == 0) if isinstance(a, int) else type(a).__name__ for a in args))
+
+
 def _launch(name: str, target: torch.Tensor, kernel, grid: tuple, args: tuple, passes: tuple, meta: dict) -> bool:
-    """Launch `kernel` once per entry of `passes`; False (logged once, the kernel not tried
-    again on that device) where it cannot build or run. Once it has run, a failure raises."""
-    try:
-        for extra in passes:
+    """Launch `kernel` once per entry of `passes` (only the last may write the target); False
+    (logged once, the kernel not tried again on that device) where a variant of it not run
+    before cannot build or run (e.g. the first with LoRA pairs, after the dequantize-only one).
+    A variant that has run and then fails raises."""
+    for extra in passes:
+        variant = (name, target.device, _variant(args, {**extra, **meta}))
+        try:
             kernel[grid](*args, **extra, **meta)
-    except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
-        if (name, target.device) in _BUILT:
-            raise
-        _FAILED.add((name, target.device))
-        log.warning("RingSwap LoRA: the fused %s fold cannot run on %s (%s); folding op by op instead",
-                    name, target.device, str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__)
-        return False
+        except Exception as e:   # noqa: BLE001 - a GPU or Triton that cannot build it
+            if variant in _RAN:
+                raise
+            _FAILED.add((name, target.device))
+            log.warning("RingSwap LoRA: the fused %s fold cannot run on %s (%s); folding op by op instead", name,
+                        target.device, str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__)
+            return False
+        _RAN.add(variant)
     _BUILT.add((name, target.device))
     return True
 
