@@ -61,13 +61,22 @@ def model_names() -> list[str]:
     return folder_paths.get_filename_list("diffusion_models") + gguf_names()
 
 
-def load_gguf_model(path: str) -> comfy.model_patcher.ModelPatcher:
-    """What ComfyUI-GGUF's Unet Loader (GGUF) returns for `path`, with its default options."""
+def load_gguf_model(path: str, set_defaults: bool = True) -> comfy.model_patcher.ModelPatcher:
+    """What ComfyUI-GGUF's Unet Loader (GGUF) returns for `path`, with its default options. The
+    pack keeps those on its Linear class, which every GGUF model shares: `set_defaults=False`
+    (only the model's facts are read) leaves another loader's choice alone. A file the pack
+    cannot read is a ValueError naming it."""
     pack = pack_nodes(path)
     ops = pack.GGMLOps()
-    ops.Linear.dequant_dtype = None   # Unet Loader (GGUF)'s defaults ("default" dequant and patch dtypes)
-    ops.Linear.patch_dtype = None
-    model = comfy.sd.load_diffusion_model_state_dict(pack.gguf_sd_loader(path), model_options={"custom_operations": ops})
+    if set_defaults:   # Unet Loader (GGUF)'s defaults ("default" dequant and patch dtypes)
+        ops.Linear.dequant_dtype = None
+        ops.Linear.patch_dtype = None
+    try:
+        sd = pack.gguf_sd_loader(path)
+    except Exception as e:   # noqa: BLE001 - the gguf package's and the pack's own errors
+        raise ValueError(f"RingSwap: {path}: ComfyUI-GGUF cannot read this file as a GGUF model "
+                         f"({type(e).__name__}: {e})") from e
+    model = comfy.sd.load_diffusion_model_state_dict(sd, model_options={"custom_operations": ops})
     if model is None:
         raise ValueError(f"RingSwap Model Loader: {path}: ComfyUI could not detect the model type of this GGUF file")
     return pack.GGUFModelPatcher.clone(model)

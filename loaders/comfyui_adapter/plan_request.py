@@ -46,7 +46,7 @@ def file_facts(path: str) -> FileFacts:
             _CACHE.move_to_end(key)
             return facts
     if gguf_file.is_gguf(path):   # ComfyUI-GGUF's model on the file's map: nothing of the weights is read
-        model = gguf_file.load_gguf_model(path).model
+        model = gguf_file.load_gguf_model(path, set_defaults=False).model
     else:
         model = build_skeleton(SafetensorsIndex.open(path), ALL_NAMES, weights=False).model
     dm = model.diffusion_model

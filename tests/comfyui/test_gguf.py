@@ -124,6 +124,15 @@ def test_model_loader_gguf_errors_name_the_file(gguf_dir, tmp_path):
     from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
     src = tiny_wan(str(tmp_path), blocks=2, dtype=torch.float32)
     converted = write_wan_gguf(src, str(tmp_path / "bf16_norms.gguf"), "Q8_0", bf16_1d=True)
+    garbage, truncated = str(tmp_path / "garbage.gguf"), str(tmp_path / "truncated.gguf")
+    with open(garbage, "wb") as f:
+        f.write(b"not a gguf file" * 100)
+    with open(path, "rb") as f, open(truncated, "wb") as out:
+        out.write(f.read(os.path.getsize(path) // 2))
+    for bad in (garbage, truncated):
+        with pytest.raises(ValueError, match="ComfyUI-GGUF cannot read this file") as ei:
+            load_swapped_model(bad, SwapSettings(1), home="ram")
+        assert bad in str(ei.value)
     for home in ("disk", "auto"):
         with pytest.raises(ValueError, match="converted at load") as ei:
             load_swapped_model(converted, SwapSettings(1), home=home)
@@ -138,6 +147,23 @@ def test_model_loader_gguf_errors_name_the_file(gguf_dir, tmp_path):
         comfy.model_management.unload_all_models()
     finally:
         folder_paths.folder_names_and_paths["diffusion_models"][0].remove(str(tmp_path))
+
+
+def test_plan_facts_of_a_gguf_leave_the_packs_options_alone(gguf_dir, tmp_path):
+    """Unet Loader (GGUF/Advanced) keeps its dequant and patch dtypes on the pack's Linear class,
+    which every GGUF model shares; the plan route (the browser asks it at any time) reads a
+    .gguf's facts without setting them back to the defaults."""
+    import shutil
+
+    from ringswap.loaders.comfyui_adapter import plan_request
+    from support.gguf_case import PACK
+    model = PACK.NODE_CLASS_MAPPINGS["UnetLoaderGGUFAdvanced"]().load_unet("wan_Q8_0_F32.gguf", "float32",
+                                                                             "bfloat16", False)[0]
+    linear = type(model.model.diffusion_model.head.head)
+    plan_request.file_facts(shutil.copy(os.path.join(gguf_dir, "wan_Q5_0_F32.gguf"), str(tmp_path / "facts.gguf")))
+    assert (linear.dequant_dtype, linear.patch_dtype) == (torch.float32, torch.bfloat16)
+    load_gguf("wan_Q8_0_F32.gguf")   # the pack's own Unet Loader (GGUF) sets its defaults back
+    assert (linear.dequant_dtype, linear.patch_dtype) == (None, None)
 
 
 def test_model_loader_gguf_file_replaced_is_named(gguf_dir, tmp_path):
