@@ -1,12 +1,14 @@
 """RingSwap Model Loader on a `.gguf` file: the model is built by ComfyUI-GGUF's own loader code
 (its `gguf_sd_loader`, its GGMLOps, its patcher), then its blocks are read from the file with
 positioned reads, never through the pack's memory map: each block tensor's bytes lie in one
-range of the file (the GGUF header gives offset and size), exactly as the block travels.
-Without ComfyUI-GGUF installed, a clear error names the pack."""
+range of the file (the GGUF header gives offset and size), found under the file's name for it
+(loaders/comfyui_adapter/file_names.py); a float tensor the model holds in another dtype is cast
+on read. Without ComfyUI-GGUF installed, a clear error names the pack."""
 from __future__ import annotations
 
+import math
 import sys
-from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -17,6 +19,9 @@ import folder_paths
 
 from ...swap.layout import BlockLayout
 from ..model_file.block_reader import BlockReader
+from ..model_file.block_source import BlockSource
+from ..model_file.safetensors_index import TensorInfo
+from .file_names import FileNames, comfy_prefix
 
 PACK_NODE = "UnetLoaderGGUF"
 PACK = "ComfyUI-GGUF (city96/ComfyUI-GGUF)"
@@ -82,44 +87,59 @@ def load_gguf_model(path: str, set_defaults: bool = True) -> comfy.model_patcher
     return pack.GGUFModelPatcher.clone(model)
 
 
-class GgufBlockSource:
-    """Each block's bytes from their ranges in the GGUF file (one range per layout entry)."""
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
-    def __init__(self, path: str, reader: BlockReader, blocks: list[nn.Module], block_keys: list[str]):
-        import gguf
-        tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-        self.reader = reader
-        self.ranges: list[list[tuple[int, int, int]]] = []
-        self.converted: list[str] = []   # block tensors the pack converted at load: not the file's bytes
-        for block, prefix in zip(blocks, block_keys):
-            ranges = []
-            for e in BlockLayout.of(block).entries:
-                key = prefix + (f"{e.path}.{e.key}" if e.path else e.key)
-                t = tensors.get(key) or tensors.get(PREFIX + key)   # the pack strips this prefix where a file has it
-                if t is None:
-                    raise ValueError(f"RingSwap: {path}: missing tensor '{key}'")
-                if int(t.n_bytes) != e.nbytes:
-                    self.converted.append(f"'{key}' ({int(t.n_bytes)} bytes in the file, {e.nbytes} in the model)")
-                ranges.append((int(t.data_offset), e.nbytes, e.offset))
-            self.ranges.append(ranges)
 
-    def read(self, block: int, dest: torch.Tensor) -> Future:
-        return self.reader.read_into(dest, self.ranges[block])
+@dataclass
+class GgufIndex:
+    """Where each block tensor's bytes lie in the GGUF file, by ComfyUI's key, as the
+    safetensors BlockSource reads them: quantized tensors as the raw bytes the pack's model
+    holds, float tensors with their file dtype (cast on read where the model holds another,
+    as ComfyUI's load copies them). `unreadable`: block tensors the file does not give as
+    either (under no name the file has, or converted otherwise by the pack)."""
+    path: str
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+    unreadable: list[str] = field(default_factory=list)
 
-    def close(self) -> None:
-        self.reader.close()
+
+def gguf_index(path: str, blocks: list[nn.Module], block_keys: list[str], model_config) -> GgufIndex:
+    """The GgufIndex of `blocks` (`block_keys`: ComfyUI's key prefix of each)."""
+    import gguf
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    pack_prefix = PREFIX if any(k.startswith(PREFIX) for k in tensors) else ""   # the pack strips it first
+    keys = [k[len(pack_prefix):] for k in tensors if k.startswith(pack_prefix)]
+    names = FileNames(model_config, keys, comfy_prefix(keys))
+    index = GgufIndex(path)
+    for block, key_prefix in zip(blocks, block_keys):
+        for e in BlockLayout.of(block).entries:
+            key = key_prefix + (f"{e.path}.{e.key}" if e.path else e.key)
+            t = tensors.get(pack_prefix + names.file_key(key))
+            if t is None:
+                index.unreadable.append(f"'{key}' (no tensor of that name in the file)")
+                continue
+            start, nbytes = int(t.data_offset), int(t.n_bytes)
+            dtype = FLOAT_TYPES.get(t.tensor_type.name)
+            numel = math.prod(e.shape)
+            if (nbytes == e.nbytes and e.dtype == torch.uint8 and dtype is None) or \
+                    (dtype is not None and e.dtype.is_floating_point and nbytes == numel * dtype.itemsize):
+                index.tensors[key] = TensorInfo(key, dtype or torch.uint8, e.shape, start, start + nbytes)
+            else:
+                index.unreadable.append(f"'{key}' ({t.tensor_type.name}, {nbytes} bytes in the file; "
+                                        f"{e.dtype}, {e.nbytes} bytes in the model)")
+    return index
 
 
 def block_source(path: str, reader: BlockReader, blocks: list[nn.Module], block_keys: list[str],
-                 home: str) -> GgufBlockSource | None:
-    """The file source of the blocks; None for home=ram where ComfyUI-GGUF converted block
-    tensors at load (the homes are then copied from its model once). ValueError naming the
-    file and a tensor for home disk or auto there (the file's bytes are not the block's)."""
-    source = GgufBlockSource(path, reader, blocks, block_keys)
-    if not source.converted:
-        return source
+                 home: str, model_config) -> BlockSource | None:
+    """The file source of the blocks (`block_keys`: ComfyUI's key prefix of each); None for
+    home=ram where block tensors cannot be read from the file (GgufIndex.unreadable): the homes
+    are then copied from the pack's model once. ValueError naming the file and a tensor for
+    home disk or auto there."""
+    index = gguf_index(path, blocks, block_keys, model_config)
+    if not index.unreadable:
+        return BlockSource(index, reader, blocks, block_keys)
     if home == "ram":
         return None
-    raise ValueError(f"RingSwap: {path}: ComfyUI-GGUF converts block tensors of this file when it loads them "
-                     f"(converted at load: {source.converted[0]}{' and more' if len(source.converted) > 1 else ''}), "
-                     "so they cannot be read from the file each step; use home=ram")
+    what = index.unreadable[0] + (" and more" if len(index.unreadable) > 1 else "")
+    raise ValueError(f"RingSwap: {path}: block tensors of this file cannot be read from it as ComfyUI-GGUF loads "
+                     f"them (not as the file holds them: {what}), so they cannot be read each step; use home=ram")

@@ -20,7 +20,7 @@ import comfy.model_patcher
 
 from ...swap import BlockSwapEngine
 from ...swap.host_pool import mapped_allocations
-from ..model_file.block_reader import BlockReader, file_identity
+from ..model_file.block_reader import BlockReader, FileChangedError, file_identity
 from ..model_file.block_source import BlockSource
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_features as features
@@ -80,29 +80,32 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
                       model_options: dict | None = None) -> comfy.model_patcher.ModelPatcher:
     """The ModelPatcher of the file (plain, or ComfyUI-GGUF's for a .gguf), with its swap
     engine installed; wrap it with SwapModelPatcher.wrap for each set of swap settings (no re-read)."""
+    identity = file_identity(path)   # the file the model is built from is the one read below
     if gguf_file.is_gguf(path):
-        patcher, prefix = gguf_file.load_gguf_model(path), ""
+        patcher = gguf_file.load_gguf_model(path)
         gguf_tensors.register_for(patcher.model.diffusion_model)
 
         def make_source(reader, blocks, keys):
-            return gguf_file.block_source(path, reader, blocks, keys, home)
+            return gguf_file.block_source(path, reader, blocks, keys, home, patcher.model.model_config)
     else:
         index = SafetensorsIndex.open(path)
         with mapped_allocations():
             skeleton = build_skeleton(index, ALL_NAMES, model_options)
         patcher = comfy.model_patcher.ModelPatcher(skeleton.model, load_device=skeleton.load_device,
                                                    offload_device=skeleton.offload_device)
-        prefix = skeleton.prefix
 
         def make_source(reader, blocks, keys):
-            return BlockSource(index, reader, blocks, keys)
+            return BlockSource(index, reader, blocks, keys, skeleton.names.file_key)
     dm = patcher.model.diffusion_model
     lists = find_block_lists(dm, path)
     blocks = [b for _, bl in lists for b in bl]
-    keys = [f"{prefix}{name}.{j}." for name, bl in lists for j in range(len(bl))]
+    keys = [f"{name}.{j}." for name, bl in lists for j in range(len(bl))]
     reader = BlockReader(path, workers=disk_workers)
     engine = None
     try:
+        if reader.identity != identity:
+            raise FileChangedError(f"RingSwap: {path} changed on disk while the model was loaded from it; "
+                                   "load it again once it is written")
         source = make_source(reader, blocks, keys)
         if source is None:   # homes copied from the model's own tensors at the first attach
             reader.close()

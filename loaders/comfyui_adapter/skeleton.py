@@ -22,6 +22,7 @@ import comfy.utils
 from ..model_file.quant import build_quantized_blocks, comfy_quant_layers, declare_fp8_layers
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_features as features
+from .file_names import FileNames
 
 log = logging.getLogger("ringswap.skeleton")
 
@@ -32,9 +33,9 @@ SMALL_BYTES = 64 * 1024   # block tensors at most this big are read for detectio
 class Skeleton:
     model: object             # comfy.model_base.BaseModel, block weights not loaded
     model_config: object
-    prefix: str               # key prefix of the diffusion model in the file ("" or "model.diffusion_model.")
     load_device: torch.device
     offload_device: torch.device
+    names: FileNames          # the file's key of each of ComfyUI's keys (its prefix, ComfyUI's renames)
 
 
 def _is_block_key(key: str, prefix: str, list_names: tuple[str, ...]) -> bool:
@@ -81,21 +82,24 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
 
     offload_device = comfy.model_management.unet_offload_device()
     unet_dtype, manual_cast_dtype = _set_dtypes(model_config, model_options, parameters, weight_dtype, load_device)
+    names = FileNames(model_config, index.tensors, prefix)
 
     if not weights:
         with features.static_construction(), torch.device("meta"):
             model = model_config.get_model(sd, "")
-        return Skeleton(model, model_config, prefix, load_device, offload_device)
+        return Skeleton(model, model_config, load_device, offload_device, names)
     with features.static_construction():
         model = model_config.get_model(sd, "").to(offload_device)   # a no-op move: nothing is loaded yet
         dm = model.diffusion_model
         block_modules = [(n, m) for n, m in dm.named_modules() if _is_block_key(n, "", list_names)]
-        build_quantized_blocks(block_modules, sd, layers, manual_cast_dtype or unet_dtype, path, reads_comfy_quant)
+        block_sd = {**sd, **{k: sd[f] for k, f in names.renamed.items() if f in sd}}   # also under ComfyUI's names
+        build_quantized_blocks(block_modules, block_sd, layers, manual_cast_dtype or unet_dtype, path,
+                               reads_comfy_quant)
         nonblock = {n: t for n, t in sd.items() if not _is_block_key(n, "", list_names)}
         missing = _load_nonblock(dm, model_config.process_unet_state_dict(nonblock), list_names)
     if missing:
         log.warning("RingSwap: %s: missing non-block weights: %s", path, missing)
-    return Skeleton(model, model_config, prefix, load_device, offload_device)
+    return Skeleton(model, model_config, load_device, offload_device, names)
 
 
 def _set_dtypes(model_config, model_options: dict, parameters: int, weight_dtype, load_device) -> tuple:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -44,9 +45,10 @@ def _plan_casts(cast: list[tuple]) -> tuple[list[tuple], int, list[tuple]]:
 
 class BlockSource:
     def __init__(self, index: SafetensorsIndex, reader: BlockReader, blocks: list[nn.Module],
-                 block_keys: list[str]):
-        """`block_keys[i]` is the file key prefix of block i, e.g. "blocks.7."; the blocks
-        must still hold ComfyUI's freshly built (unloaded) tensors."""
+                 block_keys: list[str], file_key: Callable[[str], str] = str):
+        """`block_keys[i]` is the key prefix of block i, e.g. "blocks.7."; `file_key` gives the
+        file's key of a tensor's key (ComfyUI may rename tensors and strips the file's prefix).
+        The blocks must still hold ComfyUI's freshly built (unloaded) tensors."""
         self.index = index
         self.reader = reader
         self.direct: list[list[tuple[int, int, int]]] = []
@@ -57,7 +59,7 @@ class BlockSource:
             initial = BlockBinding(block, layout).current()
             direct, cast, constants = [], [], []
             for e, value in zip(layout.entries, initial):
-                key = key_prefix + (f"{e.path}.{e.key}" if e.path else e.key)
+                key = file_key(key_prefix + (f"{e.path}.{e.key}" if e.path else e.key))
                 info = index.tensors.get(key)
                 if info is None and value.numel() <= 1 and value.device.type != "meta":
                     constants.append((value.detach().clone(), e))

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import comfy.model_management
 import folder_paths
@@ -108,8 +109,8 @@ def test_model_loader_reads_gguf_files(gguf_dir, home):
 
 
 def test_model_loader_gguf_errors_name_the_file(gguf_dir, tmp_path):
-    """A .gguf whose block tensor ComfyUI-GGUF converts at load (so the file's bytes are not the
-    block's) with home=disk, and a .gguf without ComfyUI-GGUF installed: clear errors."""
+    """A .gguf lacking a block tensor with home disk or auto, a file the pack cannot read, and a
+    .gguf without ComfyUI-GGUF installed: clear errors naming the file."""
     from ringswap.loaders.comfyui_adapter import gguf_file
     path = os.path.join(gguf_dir, "wan_Q8_0_F32.gguf")
     saved = nodes.NODE_CLASS_MAPPINGS.pop(gguf_file.PACK_NODE)
@@ -133,16 +134,23 @@ def test_model_loader_gguf_errors_name_the_file(gguf_dir, tmp_path):
         with pytest.raises(ValueError, match="ComfyUI-GGUF cannot read this file") as ei:
             load_swapped_model(bad, SwapSettings(1), home="ram")
         assert bad in str(ei.value)
+    sd = load_file(src)
+    del sd["blocks.1.norm3.bias"]   # ComfyUI leaves the model's own tensor there: not in the file
+    save_file(sd, str(tmp_path / "lacking.safetensors"))
+    lacking = write_wan_gguf(str(tmp_path / "lacking.safetensors"), str(tmp_path / "lacking.gguf"), "Q8_0")
     for home in ("disk", "auto"):
-        with pytest.raises(ValueError, match="converted at load") as ei:
-            load_swapped_model(converted, SwapSettings(1), home=home)
-        assert converted in str(ei.value) and "blocks.0." in str(ei.value) and "home=ram" in str(ei.value)
+        with pytest.raises(ValueError, match="cannot be read from it") as ei:
+            load_swapped_model(lacking, SwapSettings(1), home=home)
+        assert lacking in str(ei.value) and "'blocks.1.norm3.bias' (no tensor" in str(ei.value) \
+            and "home=ram" in str(ei.value)
+    assert load_swapped_model(lacking, SwapSettings(1), home="ram").swap_engine.read_block is None, \
+        "home=ram copies the homes from the pack's model"
     folder_paths.add_model_folder_path("diffusion_models", str(tmp_path))
-    try:   # home=ram copies those blocks from the pack's model once: equal to its own run
+    try:   # BF16 1-D tensors the pack loads as F32: read from the file and cast
         want = forward(load_gguf("bf16_norms.gguf"), *inputs(seed=0))
         comfy.model_management.unload_all_models()
         model = load_swapped_model(converted, SwapSettings(1), home="ram")
-        assert model.swap_engine.read_block is None
+        assert model.swap_engine.read_block is not None
         assert torch.equal(forward(model, *inputs(seed=0)), want)
         comfy.model_management.unload_all_models()
     finally:
@@ -164,6 +172,28 @@ def test_plan_facts_of_a_gguf_leave_the_packs_options_alone(gguf_dir, tmp_path):
     assert (linear.dequant_dtype, linear.patch_dtype) == (torch.float32, torch.bfloat16)
     load_gguf("wan_Q8_0_F32.gguf")   # the pack's own Unet Loader (GGUF) sets its defaults back
     assert (linear.dequant_dtype, linear.patch_dtype) == (None, None)
+
+
+def test_model_loader_gguf_file_replaced_while_loading_is_named(gguf_dir, tmp_path, monkeypatch):
+    """The file replaced after ComfyUI-GGUF built the model from it and before its blocks are
+    read (a download finishing): an error naming it, not one file's blocks in the other's model."""
+    import shutil
+    from ringswap.loaders.comfyui_adapter import gguf_file
+    from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
+    from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
+    from ringswap.loaders.model_file.block_reader import FileChangedError
+    path = str(tmp_path / "downloading.gguf")
+    shutil.copy(os.path.join(gguf_dir, "wan_Q8_0_F32.gguf"), path)
+    built = gguf_file.load_gguf_model
+
+    def built_then_replaced(p, *args, **kwargs):
+        out = built(p, *args, **kwargs)
+        os.replace(shutil.copy(os.path.join(gguf_dir, "wan_Q5_0_F32.gguf"), path + ".new"), path)
+        return out
+    monkeypatch.setattr(gguf_file, "load_gguf_model", built_then_replaced)
+    for home in ("ram", "disk"):
+        with pytest.raises(FileChangedError, match="downloading.gguf changed on disk while the model was loaded"):
+            load_swapped_model(path, SwapSettings(1), home=home)
 
 
 def test_model_loader_gguf_file_replaced_is_named(gguf_dir, tmp_path):
