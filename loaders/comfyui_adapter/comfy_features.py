@@ -152,12 +152,15 @@ CLONE_TAKES_MODEL = has_arg(comfy.model_patcher.ModelPatcher.clone, "model_overr
 CLONE_DISABLES_DYNAMIC = has_arg(comfy.model_patcher.ModelPatcher.clone, "disable_dynamic")
 
 
-def clone_onto(patcher, model) -> comfy.model_patcher.ModelPatcher:
+def clone_onto(patcher, onto) -> comfy.model_patcher.ModelPatcher:
     """A static ModelPatcher clone of `patcher` (patches, options, wrappers, callbacks...)
-    whose model is `model` instead of its own."""
+    whose model is `onto`'s instead of its own, sharing `onto`'s weight backups as ComfyUI's
+    clones of one model do (with backups of its own, a clone would patch again the weights
+    another clone left patched)."""
     if not CLONE_TAKES_MODEL:
         raise RuntimeError("RingSwap: this ComfyUI's ModelPatcher.clone cannot take another model")
-    override = (model, ({}, {}, {}, set()))
+    shared = getattr(comfy.model_patcher.ModelPatcher, "get_clone_model_override", None)
+    override = shared(onto) if shared is not None else (onto.model, ({}, {}, {}, set()))
     kwargs = {"disable_dynamic": True} if CLONE_DISABLES_DYNAMIC else {}
     return comfy.model_patcher.ModelPatcher.clone(patcher, model_override=override, **kwargs)
 

@@ -80,7 +80,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             raise ValueError(f"RingSwap: expected a diffusion MODEL (a ComfyUI ModelPatcher with a "
                              f"diffusion_model), got {type(model).__name__}")
         if onto is not None:
-            n = features.clone_onto(model, onto.model)
+            n = features.clone_onto(model, onto)
             n.ringswap_base = onto
         else:
             src_cls = model.__class__
@@ -321,12 +321,17 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         offers) grows by what they free; the planner, not that number, decides the window,
         as it does on every load."""
         self.ringswap_run.reloading = False
-        if not self._owns_engine():
-            return super().partially_load(device_to, extra_memory, *args, **kwargs)
-        plans = self._plans_to_keep(device_to, extra_memory)
+        plans = self._plans_to_keep(device_to, extra_memory) if self._owns_engine() else None
         if plans is None:
-            freed = self._release_engine()
-            return super().partially_load(device_to, extra_memory + freed, *args, **kwargs)
+            out = super().partially_load(device_to, extra_memory + self._release_engine(), *args, **kwargs)
+            if self._owns_engine():
+                return out
+            # ComfyUI returns without `load` where it only unloads (less memory offered than the
+            # model holds) or counts the model loaded: the blocks still attach for the run
+            used = self.model.model_loaded_weight_memory
+            self.load(device_to, lowvram_model_memory=used, force_patch_weights=kwargs.get(
+                "force_patch_weights", args[0] if args else False))
+            return out + self.model.model_loaded_weight_memory - used
         plan, fresh = plans
         self.ringswap_run.plan = plan
         out = super().partially_load(device_to, max(0, extra_memory), *args, **kwargs)

@@ -269,3 +269,31 @@ def test_compiled_model_is_exact_and_a_lora_strength_change_does_not_recompile(e
         seen = len(compiles) if seen is None else seen
         assert len(compiles) == seen, f"strength {s} compiled again: {len(compiles)} compiles, {seen} before"
     assert seen > 0
+
+
+@torch.no_grad()
+def test_a_load_offering_less_than_the_model_holds_still_attaches_the_blocks(tmp_path):
+    """Free VRAM below ComfyUI's minimum on a later run: load_models_gpu offers a negative budget,
+    ComfyUI's partially_load only unloads and returns without `load`. The blocks still attach
+    (ComfyUI counts the model loaded): the run equals ComfyUI's own, its LoRA included."""
+    import comfy.sd
+    from support.lora_files import build_lora
+
+    def with_lora(model):
+        return comfy.sd.load_lora_for_models(model, None, build_lora("mixed", blocks=4), 1.0, 0)[0]
+
+    def tight_second_run(model):
+        loaded = comfy.model_management.LoadedModel(model)
+        loaded.model_load(0)
+        first = model.model.apply_model(*(x := inputs(seed=0))[:2], c_crossattn=x[2]).clone()
+        assert loaded.model_unload(memory_to_free=1) is False   # free_memory: a partial unload
+        loaded.model_load(-10**9)                                # the budget less what it holds
+        return first, model.model.apply_model(x[0], x[1], c_crossattn=x[2]).clone()
+    path = tiny_wan(str(tmp_path), blocks=4)
+    want = tight_second_run(with_lora(load_stock(path)))
+    comfy.model_management.unload_all_models()
+    (model,) = RingSwapPatch().patch(with_lora(load_stock(path)), 2, 1, "auto")
+    got = tight_second_run(model)
+    assert model.swap_engine.att is not None and model.swap_engine.att.owner() is model
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    comfy.model_management.unload_all_models()

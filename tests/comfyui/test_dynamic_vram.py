@@ -124,3 +124,23 @@ def test_patch_keeps_the_stock_loaders_options(wan):
     got = outputs(patched)
     for k in range(2):
         assert torch.equal(got[k], ref[k]), f"input {k}"
+
+
+@torch.no_grad()
+def test_two_patch_nodes_on_clones_of_one_model_share_its_weight_backups(wan):
+    """Two RingSwap Patch nodes on LoRA'd clones of one dynamic MODEL run on RingSwap's one load
+    of the file; each restores what the other patched (ComfyUI's clones of one model share their
+    backups): each equals ComfyUI's own LoRA run, in turn and again."""
+    def with_lora(model, seed):
+        return comfy.sd.load_lora_for_models(model, None, build_lora("mixed", blocks=5, seed=seed), 1.0, 0)[0]
+    refs = []
+    for seed in (1, 2):
+        refs.append(forward(with_lora(load_static(wan), seed), *inputs(seed=0)))
+        comfy.model_management.unload_all_models()
+    stock = load_stock(wan)
+    (a,) = RingSwapPatch().patch(with_lora(stock, 1), 2, 1, "auto")
+    (b,) = RingSwapPatch().patch(with_lora(stock, 2), 3, 1, "auto")
+    assert a.model is b.model
+    for model, ref in ((a, refs[0]), (b, refs[1]), (a, refs[0])):
+        assert torch.equal(forward(model, *inputs(seed=0)), ref)
+    comfy.model_management.unload_all_models()
