@@ -17,6 +17,8 @@ import functools
 import inspect
 import os
 import sys
+import threading
+import types
 from typing import Iterator
 
 import torch
@@ -120,20 +122,47 @@ def built_for_dynamic_vram(patcher) -> bool:
     return dm is not None and any(getattr(m, "comfy_need_lazy_init_bias", None) is not None for m in dm.modules())
 
 
+class _PerThreadDynamicVram(types.ModuleType):
+    """comfy.memory_management with `aimdo_enabled` seen per thread while a thread builds
+    statically: the plan route builds on a worker thread while the prompt thread may load a
+    model with dynamic VRAM, so the process-wide flag must not change under it."""
+    _static = threading.local()
+
+    @property
+    def aimdo_enabled(self) -> bool:
+        return False if getattr(self._static, "depth", 0) else self.__dict__["aimdo_enabled"]
+
+    @aimdo_enabled.setter
+    def aimdo_enabled(self, value: bool) -> None:
+        self.__dict__["aimdo_enabled"] = value
+
+
 @contextlib.contextmanager
 def static_construction() -> Iterator[None]:
     """Build ComfyUI modules as without dynamic VRAM: with `aimdo_enabled`, ComfyUI's
     Linear/Embedding leave their weight unset and keep the file's tensors uncast until a
     dynamic patcher loads them; RingSwap owns its models as static patchers, so it builds
-    them the static way (weights in ComfyUI's chosen dtype, cast while loading)."""
-    if _memory_management is None or not getattr(_memory_management, "aimdo_enabled", False):
+    them the static way (weights in ComfyUI's chosen dtype, cast while loading). Only this
+    thread sees dynamic VRAM off."""
+    mm = _memory_management
+    if mm is None or not getattr(mm, "aimdo_enabled", False):
         yield
         return
-    _memory_management.aimdo_enabled = False
+    if type(mm) is types.ModuleType:
+        mm.__class__ = _PerThreadDynamicVram
+    if not isinstance(mm, _PerThreadDynamicVram):   # another pack made it a class of its own: process-wide
+        mm.aimdo_enabled = False
+        try:
+            yield
+        finally:
+            mm.aimdo_enabled = True
+        return
+    static = _PerThreadDynamicVram._static
+    static.depth = getattr(static, "depth", 0) + 1
     try:
         yield
     finally:
-        _memory_management.aimdo_enabled = True
+        static.depth -= 1
 
 
 def source_file(patcher) -> tuple[str, dict] | None:

@@ -144,3 +144,36 @@ def test_two_patch_nodes_on_clones_of_one_model_share_its_weight_backups(wan):
     for model, ref in ((a, refs[0]), (b, refs[1]), (a, refs[0])):
         assert torch.equal(forward(model, *inputs(seed=0)), ref)
     comfy.model_management.unload_all_models()
+
+
+def test_static_construction_is_seen_only_by_the_thread_that_builds(tmp_path, monkeypatch):
+    """The plan route builds a file's outline on a worker thread, statically: the prompt thread
+    (loading a model with dynamic VRAM at that moment) must see dynamic VRAM on throughout, and
+    overlapping static builds each see it off until they end."""
+    import threading
+
+    import comfy.memory_management as memory_management
+    from ringswap.loaders.comfyui_adapter import plan_request
+    monkeypatch.setattr(memory_management, "aimdo_enabled", True)   # as on a CUDA machine
+    path = tiny_wan(str(tmp_path), blocks=12, seed=3)
+    seen, done = set(), threading.Event()
+    worker = threading.Thread(target=lambda: (plan_request.file_facts(path), done.set()))
+    worker.start()
+    while not done.is_set():
+        seen.add(memory_management.aimdo_enabled)
+    worker.join()
+    assert seen == {True}
+    first_in, first_out, inside = threading.Event(), threading.Event(), []
+
+    def first():
+        with features.static_construction():
+            first_in.set()
+            first_out.wait(5)
+    t = threading.Thread(target=first)
+    t.start()
+    first_in.wait(5)
+    with features.static_construction():
+        first_out.set()
+        t.join()
+        inside.append(memory_management.aimdo_enabled)
+    assert inside == [False] and memory_management.aimdo_enabled
