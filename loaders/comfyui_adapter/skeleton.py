@@ -22,7 +22,7 @@ import comfy.utils
 from ..model_file.quant import build_quantized_blocks, comfy_quant_layers, declare_fp8_layers
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_features as features
-from .file_names import FileNames
+from .file_names import FileNames, comfy_prefix
 
 log = logging.getLogger("ringswap.skeleton")
 
@@ -60,13 +60,10 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
 
     metadata = dict(index.metadata)
     sd, metadata = features.convert_old_quants(sd, metadata)
-    prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
-    stripped = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True)
-    if stripped:
-        sd = stripped
+    prefix = comfy_prefix(sd)
+    if prefix:
+        sd = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True)
         sd, metadata = features.convert_old_quants(sd, metadata)
-    else:
-        prefix = ""
     reads_comfy_quant = features.reads_comfy_quant()
     layers = {} if reads_comfy_quant else comfy_quant_layers(sd)
     metadata = declare_fp8_layers(metadata, layers)

@@ -14,7 +14,7 @@ import nodes
 
 from ringswap.lora import kernels
 from ringswap.nodes.patch import RingSwapPatch
-from support.gguf_case import BLOCKS, FILES, gguf_dir, load_gguf, lora_on, pack_mark, same_lora  # noqa: F401
+from support.gguf_case import BLOCKS, FILES, PACK, gguf_dir, load_gguf, lora_on, pack_mark, same_lora  # noqa: F401
 from support.gguf_files import write_wan_gguf
 from wan_model import forward, inputs, tiny_wan
 
@@ -164,7 +164,6 @@ def test_plan_facts_of_a_gguf_leave_the_packs_options_alone(gguf_dir, tmp_path):
     import shutil
 
     from ringswap.loaders.comfyui_adapter import plan_request
-    from support.gguf_case import PACK
     model = PACK.NODE_CLASS_MAPPINGS["UnetLoaderGGUFAdvanced"]().load_unet("wan_Q8_0_F32.gguf", "float32",
                                                                              "bfloat16", False)[0]
     linear = type(model.model.diffusion_model.head.head)
