@@ -1,4 +1,5 @@
-"""The `ringswap.live` message: where each block's weights are right now, for the browser.
+"""The `ringswap.live` message: where each block's weights are right now, for the browser; and
+the `ringswap.run` message, a sampling run's summary.
 
 One character per block keeps a 200-block model's message at a few hundred bytes:
 
@@ -11,10 +12,13 @@ One character per block keeps a 200-block model's message at a few hundred bytes
 from __future__ import annotations
 
 from ...swap import BlockSwapEngine
+from ...swap.planner import WindowPlan
+from ...swap.stats import RunStats
 
 CODES = {"G": "resident on the GPU", "R": "in a ring slot", "C": "copying", "H": "at home in RAM",
          "D": "on disk"}
 SCHEMA_VERSION = 1
+RUN_EVENT = "ringswap.run"
 
 
 def _copy_done(slot) -> bool:
@@ -55,3 +59,18 @@ def live_payload(engine: BlockSwapEngine, node: str | None, step: int, steps: in
             "step": step, "steps": steps, "calls": stats.calls, "forwards": stats.forwards,
             "copies": stats.copies, "bytes_copied": stats.bytes_copied, "unplanned": stats.unplanned,
             "elapsed_s": round(elapsed_s, 3)}
+
+
+def run_payload(stats: RunStats, plan: WindowPlan | None, node: str | None, wall_s: float, steps: int,
+                live: int) -> dict:
+    """The `ringswap.run` message (web/ringswap.js): the run's engine stats, the plan it ran, seconds
+    since its first model call, its steps and the live messages sent."""
+    return {
+        "node": node, "line": stats.line(), "blocks": stats.blocks, "streamed": stats.streamed,
+        "window": stats.window, "prefetch": stats.prefetch, "memory": stats.memory,
+        "bytes_copied": stats.bytes_copied, "gbps": stats.gbps, "copy_ms": stats.copy_s * 1e3,
+        "hidden_ms": stats.hidden_s * 1e3, "wait_ms": stats.wait_s * 1e3,
+        "fold_ms_per_block": 1e3 * stats.fold_s_per_block, "calls": stats.calls, "compute_s": stats.compute_s,
+        "shrinks": stats.shrinks, "steps": steps, "wall_s": wall_s,
+        "s_per_step": wall_s / steps if steps else 0.0, "calls_per_step": stats.calls / steps if steps else 0.0,
+        "live_messages": live, "plan": plan.as_dict() if plan is not None else None}

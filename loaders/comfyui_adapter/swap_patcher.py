@@ -28,6 +28,7 @@ from ...swap.page_out import mapped_tensors, page_out_moved
 from ...swap.planner import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
 from . import compress_choice, gguf_tensors, live_feed, ram_room, run_plan
+from .live_payload import RUN_EVENT, run_payload
 from .run_state import RunState
 from .swap_state import SwapState
 
@@ -388,20 +389,10 @@ def _publish(stats, plan, node: str | None, run: tuple[float, int, int]) -> None
     """Log the run's steps and send its summary to the browser (web/ringswap.js), when a
     server is running. `run`: (seconds since the first model call, steps, live messages sent)."""
     wall_s, steps, live = run
-    s_per_step = wall_s / steps if steps else 0.0
-    calls_per_step = stats.calls / steps if steps else 0.0
     if steps:
         planned = f" (planned {plan.inputs.calls_per_step})" if plan is not None else ""
         log.info("RingSwap steps: %d in %.2f s, %.3f s/step, %.2f model calls a step%s%s", steps, wall_s,
-                 s_per_step, calls_per_step, planned,
+                 wall_s / steps, stats.calls / steps, planned,
                  f"; {live} live block maps sent to the browser" if live else "")
-    if features.prompt_server() is None:
-        return
-    features.send_to_client("ringswap.run", {
-        "node": node, "line": stats.line(), "blocks": stats.blocks, "streamed": stats.streamed,
-        "window": stats.window, "prefetch": stats.prefetch, "memory": stats.memory,
-        "bytes_copied": stats.bytes_copied, "gbps": stats.gbps, "copy_ms": stats.copy_s * 1e3,
-        "hidden_ms": stats.hidden_s * 1e3, "wait_ms": stats.wait_s * 1e3,
-        "fold_ms_per_block": 1e3 * stats.fold_s_per_block, "calls": stats.calls, "compute_s": stats.compute_s,
-        "shrinks": stats.shrinks, "steps": steps, "wall_s": wall_s, "s_per_step": s_per_step, "calls_per_step": calls_per_step,
-        "live_messages": live, "plan": plan.as_dict() if plan is not None else None})
+    if features.prompt_server() is not None:
+        features.send_to_client(RUN_EVENT, run_payload(stats, plan, node, wall_s, steps, live))
