@@ -66,6 +66,14 @@ def config_at(arg: str) -> tuple[str, float | None]:
         raise SystemExit(f"compare.py: --configs {arg}: the cap after @ must be GiB (e.g. {name}@24)") from None
 
 
+def _links_of(a, name: str, cap: float, link: str) -> tuple[str, ...]:
+    """The links a cell runs on. The uncapped resident runs copy nothing a step: the full link,
+    and with --resident-on-link also beside the link load (the streamed cells' emulated machine)."""
+    if cap or CONFIGS[name].kind not in ("floor", "comfy"):
+        return (link,)
+    return ("full", link) if getattr(a, "resident_on_link", False) else ("full",)
+
+
 def plan_cells(a) -> list[dict]:
     """The cells to run, in priority order, without repeats."""
     if a.configs:
@@ -81,17 +89,16 @@ def plan_cells(a) -> list[dict]:
         for cfg in a.cfgs:
             for link in a.links:
                 for ram, (name, cap) in ((r, e) for r in getattr(a, "rams", [0.0]) for e in order):
-                    # the uncapped resident runs copy nothing a step: measured on the full link only
-                    on = "full" if not cap and CONFIGS[name].kind in ("floor", "comfy") else link
-                    if (fmt, cfg, on, name, cap, ram) not in seen:
-                        seen.add((fmt, cfg, on, name, cap, ram))
-                        cells.append({"format": fmt, "cfg": cfg, "link": on, "config": name, "cap_gib": cap,
-                                      **({"ram_gb": ram} if ram else {}),
-                                      **({"experts": a.experts} if getattr(a, "experts", 1) > 1 else {}),
-                                      **({"lora_rank": a.lora_rank} if getattr(a, "lora_rank", 0) else {}),
-                                      **({"compile": a.compile} if getattr(a, "compile", None) else {}),
-                                      **({"compress": a.compress} if getattr(a, "compress", "off") != "off"
-                                         and CONFIGS[name].kind in ("patch", "loader", "auto") else {})})
+                    for on in _links_of(a, name, cap, link):
+                        if (fmt, cfg, on, name, cap, ram) not in seen:
+                            seen.add((fmt, cfg, on, name, cap, ram))
+                            cells.append({"format": fmt, "cfg": cfg, "link": on, "config": name, "cap_gib": cap,
+                                          **({"ram_gb": ram} if ram else {}),
+                                          **({"experts": a.experts} if getattr(a, "experts", 1) > 1 else {}),
+                                          **({"lora_rank": a.lora_rank} if getattr(a, "lora_rank", 0) else {}),
+                                          **({"compile": a.compile} if getattr(a, "compile", None) else {}),
+                                          **({"compress": a.compress} if getattr(a, "compress", "off") != "off"
+                                             and CONFIGS[name].kind in ("patch", "loader", "auto") else {})})
     if a.repeat > 1:   # whole rounds, so a drift of the machine spreads over every cell alike
         cells = [dict(c, round=r) for r in range(a.repeat) for c in cells]
     return cells
@@ -235,6 +242,9 @@ def main() -> None:
     ap.add_argument("--links", nargs="+", default=["full"], choices=["full", "halved"],
                     help="halved: a second process copies pinned memory to the GPU in a loop beside the cell "
                          "(bench/link_load.py: a PCIe 4.0-class link on the H200)")
+    ap.add_argument("--resident-on-link", action="store_true",
+                    help="also run the uncapped resident cells beside the link load of --links halved; the "
+                         "streamed cells are then held to the resident run on their own emulated machine")
     ap.add_argument("--odirect-gb", type=float, default=4.0, help="GB read for the O_DIRECT rate; 0 = all")
     ap.add_argument("--budget-s", type=float, default=540.0, help="wall budget of the whole run")
     ap.add_argument("--cell-timeout-s", type=float, default=300.0)

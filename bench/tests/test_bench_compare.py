@@ -182,6 +182,30 @@ def test_cfg_and_halved_link_are_dimensions_of_the_cells():
     assert "x1.020 resident (ok <= 1.05, cfg 5 12 GiB halved)" in line
 
 
+def test_resident_on_link_holds_streamed_cells_to_a_resident_run_beside_the_load():
+    """--resident-on-link: the uncapped resident run also beside the link load, and a halved
+    cell's "x ComfyUI resident" is then against that one, not the full-link run."""
+    import argparse
+    import compare
+    a = argparse.Namespace(configs=["rs-patch-0.3.75@12", "comfy-0.3.75@0"], groups=[], formats=["gguf_q8_0"],
+                           caps=[12.0], repeat=1, cfgs=[1.0], links=["halved"], resident_on_link=True)
+    cells = [(c["link"], c["config"]) for c in compare.plan_cells(a)]
+    assert cells == [("halved", "rs-patch-0.3.75"), ("full", "comfy-0.3.75"), ("halved", "comfy-0.3.75")]
+    a.resident_on_link = False
+    assert [(c["link"], c["config"]) for c in compare.plan_cells(a)] == cells[:2]
+    full = copy.deepcopy(_cell("comfy-0.3.75", 0.0))
+    full["rows"] = [r for r in full["rows"] if r["tokens"] == 7800]
+    beside = copy.deepcopy(full)
+    beside["link"] = "halved"
+    beside["rows"][0]["s_per_step"] = 1.01 * full["rows"][0]["s_per_step"]
+    rs = copy.deepcopy(beside)
+    rs.update(config="rs-patch-0.3.75", cap_gib=12.0)
+    rs["rows"][0]["s_per_step"] = 1.02 * full["rows"][0]["s_per_step"]
+    out = compare_table.table([rs, full, beside], link_gbps=LINK)
+    assert "| 1.010 |" in _line(out, "| bf16, cfg 1, link halved | 12 |")
+    assert "| 1.020 |" in _line(compare_table.table([rs, full], link_gbps=LINK), "| bf16, cfg 1, link halved | 12 |")
+
+
 def test_ram_and_experts_are_dimensions_of_the_cells():
     """--rams and --experts: one set of cells per RAM left to the cell; the table names the
     workload (experts, RAM), the RAM ballast, the home=auto split and the expert switch."""
