@@ -26,7 +26,7 @@ import comfy.ops  # noqa: E402
 from comfy.ldm.wan.model import WanModel  # noqa: E402
 
 from ringswap.swap import BlockSwapEngine  # noqa: E402
-from ringswap.swap.plan import ResidencyPlan  # noqa: E402
+from ringswap.swap.residency import ResidencyPlan  # noqa: E402
 
 # latent (frames, height, width) for a token count: tokens = f * (h/2) * (w/2)
 SHAPES = {32760: (21, 60, 104), 7800: (5, 60, 104), 75600: (21, 90, 160), 4096: (1, 128, 128)}

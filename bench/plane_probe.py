@@ -1,4 +1,4 @@
-"""Byte-plane coding (swap/plane_codec.py) of one Wan-14B block on the GPU: ratio, link and decode.
+"""Byte-plane coding (swap/plane_coder.py) of one Wan-14B block on the GPU: ratio, link and decode.
 
 One block of each format (bf16 and fp16 weights N(0, 0.02) as in the bench files; fp8 e4m3 of
 the same, scaled per tensor; random bytes for nvfp4's packed codes) coded as the engine codes a
@@ -75,7 +75,7 @@ def probe(fmt: str, params: int, repeat: int, dev: torch.device, words: bool = F
     whole parts instead of planes; `chunk_kib`: ANS's chunk size; `part_mib`: the part size;
     `latency`: nvCOMP's execution policy for latency instead of concurrency with other work)."""
     pack_without_comfyui()
-    from ringswap.swap.plane_codec import PART_BYTES, AnsPlanes, decode_block, encode_block, nvcomp_module
+    from ringswap.swap.plane_coder import PART_BYTES, AnsPlanes, decode_block, encode_block, nvcomp_module
     flat = block_bytes(fmt, params, dev)
     options = {"uncomp_chunk_size": chunk_kib << 10} if chunk_kib else {}
     if latency:
@@ -122,7 +122,7 @@ def probe(fmt: str, params: int, repeat: int, dev: torch.device, words: bool = F
 def pipelined(coder, block, slot: torch.Tensor, dev: torch.device, repeat: int, rooms: int) -> dict:
     """The engine's way (copies on a copy stream into `rooms` part rooms, decodes on the coder's
     stream): `repeat` blocks alone, a bf16 matmul loop alone, and both at once (wall clock)."""
-    from ringswap.swap.plane_codec import decode_block
+    from ringswap.swap.plane_coder import decode_block
     copy_stream, stream = torch.cuda.Stream(dev), coder.stream
     scratch = torch.empty(rooms * block.scratch_bytes(), dtype=torch.uint8, device=dev)
     freed: list = [None] * rooms

@@ -16,8 +16,8 @@ from stream_budget import Budget
 
 
 def plan_counts(layers: int, window: int, prefetch: int) -> tuple[int, int]:
-    """(resident, streamed) blocks, as swap.plan.ResidencyPlan decides."""
-    from ringswap.swap.plan import ResidencyPlan
+    """(resident, streamed) blocks, as swap.residency.ResidencyPlan decides."""
+    from ringswap.swap.residency import ResidencyPlan
     p = ResidencyPlan.make(layers, window, prefetch)
     return len(p.resident), len(p.streamed)
 

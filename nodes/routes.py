@@ -17,7 +17,7 @@ from ..loaders.comfyui_adapter.compress_choice import COMPRESS_MODES
 from ..loaders.comfyui_adapter.gguf_file import model_names
 from ..loaders.comfyui_adapter.plan_request import plan_for_file
 from ..swap.engine import HOMES
-from ..swap.planner import NotEnoughVRAM
+from ..swap.window_plan import NotEnoughVRAM
 
 # query parameter -> (type, smallest, largest, default; None = required)
 PARAMS = {

@@ -1,4 +1,4 @@
-"""Coded homes: streamed blocks kept in RAM as their coded bytes (swap/plane_codec.py), and
+"""Coded homes: streamed blocks kept in RAM as their coded bytes (swap/plane_coder.py), and
 the copy of such a block into a ring slot or a resident buffer (copy, decode, re-interleave on
 the coder's stream)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import torch
 
 from .host_pool import HostPool, empty_bytes
-from .plane_codec import (PART_BYTES, PARTS_IN_FLIGHT, PAYS_RATIO, CodedBlock, PlaneCoder, decode_block,
+from .plane_coder import (PART_BYTES, PARTS_IN_FLIGHT, PAYS_RATIO, CodedBlock, PlaneCoder, decode_block,
                           encode_block, wants_planes)
 from .staged_copy import PinnedChunks
 
@@ -19,7 +19,7 @@ log = logging.getLogger("ringswap.coding")
 def _form(coder: PlaneCoder, layout) -> dict:
     """How a block is coded: in byte planes where mostly 16-bit floats (unless the coder codes
     16-bit words itself: AnsPlanes in ANS's float mode), and those of fp16 blocks narrowed to
-    bf16 where exact (plane_codec.narrow_fp16)."""
+    bf16 where exact (plane_coder.narrow_fp16)."""
     by_size: dict[int, int] = {}
     fp16 = 0
     for e in layout.entries:

@@ -19,12 +19,12 @@ from . import home, placement
 from .hooks import BlockHooks
 from .host_pool import HostPool
 from .layout import BlockLayout
-from .plan import ResidencyPlan
+from .residency import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .resident_folds import fold_resident
 from .slot_ring import Slot, SlotRing
 from .coding import Coding, coding_for, keep_coder
-from .plane_codec import PlaneCoder
+from .plane_coder import PlaneCoder
 from .sources import CodedSource, FileSource, RamSource
 from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, warm, writes_blocks
 from .stats import RunStats

@@ -174,7 +174,7 @@ def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
 
 class HostPool:
     """The home of every block: one exact-size host buffer per block (`blocks`), or its coded
-    bytes (`coded`, swap/plane_codec.CodedBlock) where the block is kept coded."""
+    bytes (`coded`, swap/plane_coder.CodedBlock) where the block is kept coded."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, HostBuffer] = {}

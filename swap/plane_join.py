@@ -41,7 +41,7 @@ if triton is not None:
 
 def join_planes(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write the words of `high` and `low` back into `out` (uint8, twice their length): the
-    inverse of plane_codec.split_planes, bit for bit."""
+    inverse of plane_coder.split_planes, bit for bit."""
     words = out.view(-1, 2)
     words[:, 1].copy_(high)
     words[:, 0].copy_(low)
@@ -89,7 +89,7 @@ def _usable(device: torch.device) -> bool:
 
 def join_words(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor, widen: bool = False) -> None:
     """Write `high` and `low` (uint8, contiguous) into the words of `out`; `widen`: they are bf16
-    words to be written as fp16 (plane_codec.narrow_fp16). One fused pass where it can run (`out`
+    words to be written as fp16 (plane_coder.narrow_fp16). One fused pass where it can run (`out`
     contiguous and 2-byte aligned, on CUDA), else torch's."""
     if out.is_contiguous() and out.data_ptr() % 2 == 0 and _usable(out.device):
         _launch(high, low, out, widen)

@@ -13,7 +13,7 @@ from typing import Callable, TypeVar
 import torch
 
 from .engine import BlockSwapEngine
-from .plan import ResidencyPlan
+from .residency import ResidencyPlan
 from .state import OnLand, kept_bytes
 
 log = logging.getLogger("ringswap.recovery")

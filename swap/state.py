@@ -16,7 +16,7 @@ from torch import nn
 from .call_order import CallOrder
 from .hooks import BlockHooks
 from .layout import BlockBinding, BlockLayout
-from .plan import ResidencyPlan
+from .residency import ResidencyPlan
 from .read_ahead import ReadAhead
 from .slot_ring import Slot, SlotRing
 from .sources import CodedSource, FileSource, RamSource

@@ -10,7 +10,7 @@ streamed blocks sit next to each other and prefetch cannot bank the resident blo
 """
 from __future__ import annotations
 
-from .plan import ResidencyPlan
+from .residency import ResidencyPlan
 
 CALLS = 4   # simulated calls; the last one is steady
 

@@ -1,5 +1,5 @@
 """Whether a load keeps its streamed RAM homes coded (the `compress` setting: auto / on / off),
-the coder it uses (nvCOMP's ANS, swap/plane_codec.py), the VRAM its decodes need, and the
+the coder it uses (nvCOMP's ANS, swap/plane_coder.py), the VRAM its decodes need, and the
 plan line's words for it."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import logging
 
 import torch
 
-from ...swap.plane_codec import PART_BYTES, PARTS_IN_FLIGHT, AnsPlanes, nvcomp_module
-from ...swap.planner import WindowPlan
+from ...swap.plane_coder import PART_BYTES, PARTS_IN_FLIGHT, AnsPlanes, nvcomp_module
+from ...swap.window_plan import WindowPlan
 from ...swap.timing import call_seconds
-from ...swap.ram_plan import RamSplit
+from ...swap.ram_split import RamSplit
 
 log = logging.getLogger("ringswap.compress")
 
@@ -106,7 +106,7 @@ def coded_call_s(plan: WindowPlan, ratio: float, decode_bytes_per_s: float) -> f
 def decide(mode: str, bound: str, ram_short: bool, ram_homes: bool,
            estimate: tuple[float, float] | None = None) -> tuple[bool, str]:
     """The decision where coding is possible: (code?, why). `bound`: the plan's verdict
-    (swap.planner.WindowPlan.bound); `ram_short`: home=auto reads some streamed blocks from the file, or
+    (swap.window_plan.WindowPlan.bound); `ram_short`: home=auto reads some streamed blocks from the file, or
     cannot hold all the model's blocks raw;
     `estimate`: (seconds of a call, the same coded) where the plan is timed and copy-bound."""
     if not ram_homes:

@@ -12,7 +12,7 @@ One character per block keeps a 200-block model's message at a few hundred bytes
 from __future__ import annotations
 
 from ...swap import BlockSwapEngine
-from ...swap.planner import WindowPlan
+from ...swap.window_plan import WindowPlan
 from ...swap.stats import RunStats
 
 CODES = {"G": "resident on the GPU", "R": "in a ring slot", "C": "copying", "H": "at home in RAM",

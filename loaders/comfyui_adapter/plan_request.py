@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import comfy.model_management
 
-from ...swap.planner import PlanInputs, WindowPlan, plan_step
+from ...swap.window_plan import PlanInputs, WindowPlan, plan_step
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_features as features
 from . import compress_choice, gguf_file

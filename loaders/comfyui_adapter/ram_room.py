@@ -1,4 +1,4 @@
-"""The RAM home=auto gives block homes, and the split of a plan's streamed blocks (swap.ram_plan).
+"""The RAM home=auto gives block homes, and the split of a plan's streamed blocks (swap.ram_split).
 
 The room is `ram_budget_gb` when set; else the RAM available now, plus the homes this model
 already holds, less a margin (MARGIN_SHARE of those two, at least MARGIN_MIN) and less what
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from ...swap.plan import ResidencyPlan
-from ...swap.ram_plan import RamSplit, split_ram
+from ...swap.residency import ResidencyPlan
+from ...swap.ram_split import RamSplit, split_ram
 from . import comfy_features as features
 
 log = logging.getLogger("ringswap.ram_room")

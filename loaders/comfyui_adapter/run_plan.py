@@ -3,11 +3,11 @@
 The OUTER_SAMPLE wrapper sees the guider (how many conds a step computes) and PREPARE_SAMPLING
 the latent shape and conds before the model loads, so `plan_for_load` plans for this run's
 activations (measured on the first call of an earlier run of the same call shape, else
-ComfyUI's estimate), batched or one call per cond (swap.planner.plan_step); CALC_COND_BATCH
+ComfyUI's estimate), batched or one call per cond (swap.window_plan.plan_step); CALC_COND_BATCH
 makes ComfyUI's batching follow that plan (`free_for_batching`), and APPLY_MODEL runs every
 model call through swap.recovery (out-of-memory retry at a smaller window). A first prompt
 plans without measured rates; after its second model call `replan_by_rates` moves to the plan
-those rates choose where that pays back within the run (swap.planner.replan_with_rates).
+those rates choose where that pays back within the run (swap.window_plan.replan_with_rates).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import torch
 
 import comfy.patcher_extension
 
-from ...swap.plan import ResidencyPlan
-from ...swap.planner import NotEnoughVRAM, PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
+from ...swap.residency import ResidencyPlan
+from ...swap.window_plan import NotEnoughVRAM, PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
 from ...swap.recovery import run_call
 from . import comfy_features as features
 from . import compress_choice, live_feed, ram_room
@@ -218,7 +218,7 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
 def plan_for_load(patcher, device: torch.device, full_load: bool) -> WindowPlan:
     """The plan for this load of `patcher`: all blocks on a CPU device or a full load
     (unless a window or budget is set), else the planner's window for this run; the step's
-    conds batched or one call each, whichever swap.planner.plan_step finds faster."""
+    conds batched or one call each, whichever swap.window_plan.plan_step finds faster."""
     n = patcher.swap_engine.num_blocks
     settings = patcher.ringswap
     everything = (device.type == "cpu" or full_load) and not settings.vram_budget_gb
@@ -349,7 +349,7 @@ def place_seconds(engine, residency: ResidencyPlan, ram_blocks, link_bytes_per_s
 def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None) -> WindowPlan | None:
     """Early in a run (after RATES_AFTER_CALLS model calls): where the plan was made without
     measured rates, take the plan the measured compute time a call and link rate choose, if
-    swap.planner.replan_with_rates says it pays back in this run's remaining calls; re-attach
+    swap.window_plan.replan_with_rates says it pays back in this run's remaining calls; re-attach
     and log a plan line. Returns the new plan or None. `rates`: (compute seconds a call, link
     bytes/s), default the engine's measurement (compute without the first call where there
     are more; pinned copies only)."""

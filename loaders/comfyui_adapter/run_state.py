@@ -12,7 +12,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ...lora.fold import BlockFolder
-    from ...swap.planner import WindowPlan
+    from ...swap.window_plan import WindowPlan
     from .run_plan import RunRequest
     from .swap_state import SwapState
 

@@ -25,7 +25,7 @@ from ...lora.fold import BlockFolder, block_folder
 from ...swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ...swap.host_pool import set_pin_budget
 from ...swap.page_out import mapped_tensors, page_out_moved
-from ...swap.planner import NotEnoughVRAM, keep_attached
+from ...swap.window_plan import NotEnoughVRAM, keep_attached
 from . import comfy_features as features
 from . import compress_choice, gguf_tensors, live_feed, ram_room, run_plan
 from .live_payload import RUN_EVENT, run_payload
@@ -40,7 +40,7 @@ if features.ComfyPinBudget.available():   # RingSwap's pins count in ComfyUI's p
 
 @dataclass(frozen=True)
 class SwapSettings:
-    window: int          # blocks kept on the device; 0 = planned for each run (swap.planner)
+    window: int          # blocks kept on the device; 0 = planned for each run (swap.window_plan)
     prefetch: int = 1
     pin_memory: str = "auto"
     vram_budget_gb: float = 0.0   # VRAM this model may use in all (weights + activations); 0 = what is free
@@ -347,7 +347,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     def _plans_to_keep(self, device_to, extra_memory: float):
         """(the plan to run with, this run's own plan) when the attached blocks can stay (same
         device and weight patches, the model fully loaded but for the blocks, and the planner
-        keeps the attached residency: swap.planner.keep_attached), else None."""
+        keeps the attached residency: swap.window_plan.keep_attached), else None."""
         att = self.swap_engine.att
         device = self._device(device_to)
         if att.device != device or self.model.model_lowvram or \

@@ -134,7 +134,7 @@ def test_weights_made_dense_on_landing_stay_packed_where_only_that_fits(gguf_dir
     K-quant model without a LoRA keeps its weights packed in the pack's layers (one log line
     says so) and equals the pack's run bit for bit; with room for them they are made dense on
     landing again. A type never made dense (Q8_0) has nothing to give way: NotEnoughVRAM."""
-    from ringswap.swap.planner import NotEnoughVRAM
+    from ringswap.swap.window_plan import NotEnoughVRAM
     cpu, name = torch.device("cpu"), "wan_Q4_K_F32.gguf"
     want = forward(load_gguf(name), *inputs(seed=0))
     comfy.model_management.unload_all_models()

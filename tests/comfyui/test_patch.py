@@ -286,8 +286,8 @@ def test_compress_estimate_by_the_call_model(compute_s, code):
     spare, so shorter copies pay (measured 0.75 x and 0.72 x); at cfg 5 the compute alone is near
     the raw copies' time and the decodes would make calls slower."""
     from ringswap.loaders.comfyui_adapter import compress_choice
-    from ringswap.swap.plan import ResidencyPlan
-    from ringswap.swap.planner import PlanInputs, WindowPlan
+    from ringswap.swap.residency import ResidencyPlan
+    from ringswap.swap.window_plan import PlanInputs, WindowPlan
     inputs = PlanInputs(block_sizes=(702_000_000,) * 40, nonblock_bytes=0, free_bytes=0,
                         link_bytes_per_s=27.7e9, compute_s=compute_s)
     plan = WindowPlan(inputs, ResidencyPlan.make(40, 10, 1), automatic=True)

@@ -17,7 +17,7 @@ import nodes as comfy_nodes
 from ringswap.loaders.comfyui_adapter import run_plan
 from ringswap.nodes.patch import RingSwapPatch
 from ringswap.swap import ResidencyPlan
-from ringswap.swap.planner import NotEnoughVRAM
+from ringswap.swap.window_plan import NotEnoughVRAM
 from support.faults import inject_oom
 from wan_model import conditioning, latent, load_stock, tiny_wan
 

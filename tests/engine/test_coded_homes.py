@@ -201,7 +201,7 @@ def test_coding_slower_than_the_measured_link_leaves_the_blocks_raw(caplog):
 def test_coding_pays_where_coded_copy_and_decode_beat_a_raw_copy(link_gbps, decode_gbps, faster):
     from ringswap.swap.coding import Coding
     from ringswap.swap.host_pool import HostBuffer
-    from ringswap.swap.plane_codec import CodedBlock
+    from ringswap.swap.plane_coder import CodedBlock
     coding = Coding(ZlibPlanes(), torch.device("cpu"))
     coding.decode_rate = decode_gbps * 1e9
     block = CodedBlock(HostBuffer(682), ((0, 1000, 0, 682),), 1000)

@@ -12,7 +12,7 @@ sys.path.insert(0, {here!r})
 import conftest  # the repository as `ringswap`
 import ringswap
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
-from ringswap.swap.planner import PlanInputs, plan_window
+from ringswap.swap.window_plan import PlanInputs, plan_window
 from ringswap.lora import kernels
 import torch
 blocks = [torch.nn.Linear(8, 8) for _ in range(4)]

@@ -1,9 +1,9 @@
-"""Byte-plane coding (swap/plane_codec.py): the planes split and join bit for bit on any device;
+"""Byte-plane coding (swap/plane_coder.py): the planes split and join bit for bit on any device;
 with CUDA and nvCOMP, a block coded and decoded on the GPU is itself bit for bit."""
 import pytest
 import torch
 
-from ringswap.swap.plane_codec import aligned, decode_block, encode_block, nvcomp_module, split_planes
+from ringswap.swap.plane_coder import aligned, decode_block, encode_block, nvcomp_module, split_planes
 from ringswap.swap.plane_join import join_planes
 
 
@@ -54,7 +54,7 @@ def test_blocks_code_in_parts_and_decode_bit_exact_on_the_cpu():
 def test_one_byte_formats_code_whole_bytes():
     """A block mostly of one-byte values (fp8) is coded whole, without planes; still bit exact."""
     from zlib_planes import ZlibPlanes
-    from ringswap.swap.plane_codec import wants_planes
+    from ringswap.swap.plane_coder import wants_planes
     assert wants_planes({2: 600, 4: 400}, 1000) and not wants_planes({1: 900, 4: 100}, 1000)
     assert not wants_planes({2: 1001}, 1001)   # odd bytes cannot be read as words
     flat = (torch.randn(5001) * 20).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -69,7 +69,7 @@ def test_one_byte_formats_code_whole_bytes():
 @pytest.mark.gpu
 def test_ans_planes_round_trip_on_cuda():
     dev = _cuda_nvcomp()
-    from ringswap.swap.plane_codec import AnsPlanes
+    from ringswap.swap.plane_coder import AnsPlanes
     flat = (torch.randn(3 << 20, device=dev) * 0.02).bfloat16().view(torch.uint8)
     planes = AnsPlanes(dev)
     block = encode_block(planes, flat, part_bytes=1 << 20)   # 6 parts, two part sizes share configs
@@ -90,7 +90,7 @@ def test_pipelined_decode_of_blocks_back_to_back_on_cuda(data_type):
     two blocks one after the other sharing the rooms' events; planes with bytes, or whole parts in
     ANS's 16-bit float mode."""
     dev = _cuda_nvcomp()
-    from ringswap.swap.plane_codec import PARTS_IN_FLIGHT, AnsPlanes
+    from ringswap.swap.plane_coder import PARTS_IN_FLIGHT, AnsPlanes
     coder = AnsPlanes(dev, data_type=data_type)
     flats = [(torch.randn(3 << 20, device=dev) * 0.02).bfloat16().view(torch.uint8) for _ in range(2)]
     blocks = [encode_block(coder, f, part_bytes=1 << 20, planes=data_type == "|u1") for f in flats]
@@ -111,7 +111,7 @@ def test_engine_streams_coded_blocks_bit_exact_on_cuda():
     """The engine with nvCOMP-coded homes on CUDA: every window and prefetch bit-exact, pinned."""
     dev = _cuda_nvcomp()
     from ringswap.swap import BlockSwapEngine, ResidencyPlan
-    from ringswap.swap.plane_codec import AnsPlanes
+    from ringswap.swap.plane_coder import AnsPlanes
     from toy_blocks import run
     N = 5
     torch.manual_seed(0)   # blocks of 128 KiB: large enough for the coded form to pay
@@ -174,7 +174,7 @@ def test_fp16_words_from_bf16_are_narrowed_exactly_and_code_smaller():
     """fp16 weights cast from bf16 (ComfyUI computes Wan in fp16 from a bf16 file) are held as
     their bf16 words: smaller coded, given back as the same fp16 bits; specials included."""
     from zlib_planes import ZlibPlanes
-    from ringswap.swap.plane_codec import narrow_fp16
+    from ringswap.swap.plane_coder import narrow_fp16
     g = torch.Generator().manual_seed(0)
     weights = (torch.randn(6000, generator=g) * 0.02).to(torch.bfloat16)
     weights[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3e-8, -1e-6], dtype=torch.bfloat16)
@@ -194,7 +194,7 @@ def test_fp16_parts_that_do_not_survive_bf16_stay_fp16():
     """A part with fp16 words bf16 cannot hold (full mantissas) or with a NaN is coded as it is;
     the others are narrowed; the block comes back bit for bit."""
     from zlib_planes import ZlibPlanes
-    from ringswap.swap.plane_codec import narrow_fp16
+    from ringswap.swap.plane_coder import narrow_fp16
     g = torch.Generator().manual_seed(1)
     from_bf16 = (torch.randn(2048, generator=g) * 0.02).to(torch.bfloat16).to(torch.float16)
     full = (torch.randn(2048, generator=g) * 0.02).to(torch.float16)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import Callable
 
-from .plan import ResidencyPlan
+from .residency import ResidencyPlan
 from .timing import call_seconds
 
 GB = 1e9

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .plan import ResidencyPlan
+from .residency import ResidencyPlan
 
 GB = 1e9
 

@@ -1,10 +1,10 @@
-"""The window planner (swap/planner.py), table-driven: pure arithmetic, no ComfyUI."""
+"""The window planner (swap/window_plan.py), table-driven: pure arithmetic, no ComfyUI."""
 from dataclasses import replace
 
 import pytest
 
-from ringswap.swap.plan import ResidencyPlan
-from ringswap.swap.planner import NotEnoughVRAM, PlanInputs, keep_attached, plan_step, plan_window, shrink_after_oom
+from ringswap.swap.residency import ResidencyPlan
+from ringswap.swap.window_plan import NotEnoughVRAM, PlanInputs, keep_attached, plan_step, plan_window, shrink_after_oom
 
 GB = 10**9
 BLOCK = GB // 2            # 0.5 GB blocks, 40 of them (a 20 GB model)
@@ -299,7 +299,7 @@ def test_replan_with_rates_takes_the_timed_plan_where_it_pays_back():
     """A first prompt's plan (no rates) against the plan the first calls' rates choose: taken
     where each call gets >= 2% faster and the calls left save twice what placing costs;
     never for a timed, manual or all-resident plan."""
-    from ringswap.swap.planner import replan_with_rates
+    from ringswap.swap.window_plan import replan_with_rates
     b = 1_000_000
     untimed = plan_window(PlanInputs(block_sizes=(b,) * 12, nonblock_bytes=0, free_bytes=4 * b, prefetch=1))
     assert (untimed.window, untimed.prefetch, untimed.timed) == (3, 1, False)

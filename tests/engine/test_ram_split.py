@@ -1,8 +1,8 @@
-"""The RAM split of home=auto (swap/ram_plan.py) as a table of RAM pictures."""
+"""The RAM split of home=auto (swap/ram_split.py) as a table of RAM pictures."""
 import pytest
 
-from ringswap.swap.plan import ResidencyPlan
-from ringswap.swap.ram_plan import split_ram
+from ringswap.swap.residency import ResidencyPlan
+from ringswap.swap.ram_split import split_ram
 
 WAN = (704_500_000,) * 40
 
