@@ -220,8 +220,24 @@ def test_capture_from_a_file_mapping_gives_its_pages_back(tmp_path, monkeypatch,
     engine.detach()
     assert torch.equal(run(blocks, X), ref)
     after = _rss_file()
-    if page_out and maps.ranges and touched is not None and maps._madvise is not None and _kernel_pages_out(tmp_path):
-        assert touched - after >= 0.8 * N * big, (touched, after)   # the copied blocks' file pages left
+    if page_out:   # the copied blocks' file pages left the RSS
+        _skip_without_page_out(tmp_path, touched, maps)
+        assert touched - after >= 0.8 * N * big, (touched, after)
+
+
+def _skip_without_page_out(tmp_path, touched, maps=None) -> None:
+    """Skip (naming the probe that failed) where this process cannot show a file mapping's pages
+    leaving its RSS: the giving back is then not checked, so the test must not pass."""
+    from ringswap.swap.page_out import FileMaps
+    maps = FileMaps() if maps is None else maps
+    if not maps.ranges:
+        pytest.skip("page-out probe negative: FileMaps lists no file mappings (no /proc/self/maps)")
+    if touched is None:
+        pytest.skip("page-out probe negative: no RssFile in /proc/self/status")
+    if maps._madvise is None:
+        pytest.skip("page-out probe negative: madvise(MADV_PAGEOUT) failed (Linux before 5.4?)")
+    if not _kernel_pages_out(tmp_path):
+        pytest.skip("page-out probe negative: _kernel_pages_out: this kernel keeps a file mapping's pages")
 
 
 def _kernel_pages_out(tmp_path) -> bool:
@@ -274,7 +290,7 @@ def test_weights_moved_off_a_file_mapping_give_its_pages_back(tmp_path):
     mapped = po.mapped_tensors(model)
     if not po.FileMaps().ranges:   # off Linux nothing is mapped or given back
         assert mapped == [] and po.page_out_moved(mapped) == 0
-        return
+        _skip_without_page_out(tmp_path, _rss_file())
     assert sorted(m.name for m in mapped) == ["kept", "moved", "replaced"]
     assert po.page_out_moved(mapped) == 0   # nothing moved yet
     touched = _rss_file()
@@ -283,5 +299,5 @@ def test_weights_moved_off_a_file_mapping_give_its_pages_back(tmp_path):
     gave = po.page_out_moved(mapped)
     assert gave == 0 or 2 * big - 2 * po.PAGE <= gave <= 2 * big, gave   # 0: a kernel without MADV_PAGEOUT
     assert torch.equal(model.kept, data[2]) and torch.equal(model.moved, data[0])
-    if touched is not None and _kernel_pages_out(tmp_path):
-        assert gave and touched - _rss_file() >= 0.8 * 2 * big, (gave, touched, _rss_file())
+    _skip_without_page_out(tmp_path, touched)
+    assert gave and touched - _rss_file() >= 0.8 * 2 * big, (gave, touched, _rss_file())
