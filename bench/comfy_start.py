@@ -1,7 +1,8 @@
 """How a benchmark child process starts ComfyUI and hears RingSwap's log lines.
 
-Shared by auto_window.py, families.py and compare_child.py: on the CPU ComfyUI is told so
-before it looks for CUDA; with dynamic VRAM (ComfyUI 0.33) it starts as 0.33's main.py does.
+Shared by compare_child.py and the probes in bench/probes/ (auto_window, families, gap_profile):
+on the CPU ComfyUI is told so before it looks for CUDA; with dynamic VRAM (ComfyUI 0.33) it
+starts as 0.33's main.py does.
 """
 from __future__ import annotations
 

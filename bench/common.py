@@ -305,8 +305,8 @@ def child_result(cmd: list[str], timeout_s: float, env: dict | None = None, cwd:
 
 
 def base_parser(doc: str, child_choices: tuple | None = None) -> argparse.ArgumentParser:
-    """The options every parent/child benchmark here shares (auto_window, dynamic_vram,
-    compare): device, --small, token counts, text length, model directory, --json."""
+    """The options every parent/child benchmark here shares (compare, and the probes
+    auto_window and dynamic_vram): device, --small, token counts, text length, model directory, --json."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     if child_choices:
         ap.add_argument("--child", choices=child_choices, help=argparse.SUPPRESS)

@@ -6,13 +6,13 @@
 # Parts: suite (all tests on ComfyUI 0.3.75, ~3 min), suite-033 (all tests on ComfyUI
 # 0.33.0, dynamic VRAM off), suite-033-dyn (the same with 0.33's dynamic VRAM started as
 # its main.py does, RINGSWAP_DYNAMIC_VRAM=1), gpu-gguf / gpu-gguf-033-dyn (the GGUF GPU tests and the GGUF kernels' on 0.3.75 / 0.33 dynamic), gpu / gpu-033 / gpu-033-dyn (only the tests
-# marked gpu, same three runtimes), dyn-bench (bench/dynamic_vram.py on 0.33, ~6 min), fold (bench/fold.py, ~1.5 min), kernels
-# (bench/fold_kernels.py, ~1 min), kernels-kq (its K-quant tiles with and without pairs), auto / auto-033-dyn / auto-fp8-033-dyn (bench/auto_window.py, bf16 or
-# scaled fp8, caps 24/16/12 GiB, ~6 min), stream-quant (stream.py, scaled fp8 + nvfp4, ~4 min),
-# stream-bf16 (stream.py, bf16, ~5 min). A call may run 10 minutes: pick parts that fit
+# marked gpu, same three runtimes), dyn-bench (bench/probes/dynamic_vram.py on 0.33, ~6 min), fold (bench/probes/fold.py, ~1.5 min), kernels
+# (bench/probes/fold_kernels.py, ~1 min), kernels-kq (its K-quant tiles with and without pairs), auto / auto-033-dyn / auto-fp8-033-dyn (bench/probes/auto_window.py, bf16 or
+# scaled fp8, caps 24/16/12 GiB, ~6 min), stream-quant (bench/probes/stream.py, scaled fp8 + nvfp4, ~4 min),
+# stream-bf16 (bench/probes/stream.py, bf16, ~5 min). A call may run 10 minutes: pick parts that fit
 # (two suites at most). The -033 parts need .comfyui-0.33-device in carry. fold, kernels
-# stream-fp8 (stream.py, scaled fp8 only, 32,760 tokens, ~3.5 min) and stream-* run on the ComfyUI that RINGSWAP_COMFY names (default 0.3.75).
-# fold-gguf (fold.py on Q4_K and Q8_0 Wan-14B blocks, 7,800 tokens, with the kernel table; needs .comfyui-gguf).
+# stream-fp8 (bench/probes/stream.py, scaled fp8 only, 32,760 tokens, ~3.5 min) and stream-* run on the ComfyUI that RINGSWAP_COMFY names (default 0.3.75).
+# fold-gguf (bench/probes/fold.py on Q4_K and Q8_0 Wan-14B blocks, 7,800 tokens, with the kernel table; needs .comfyui-gguf).
 # gguf-12h-lora (Q8_0, 12 GiB, halved link, cfg 1 and 5, a rank-64 LoRA: RingSwap Patch and ComfyUI-GGUF alone on 0.33 dynamic).
 # gguf-q4k-8 (Q4_K, 8 GiB, full link, cfg 1, RingSwap Patch on 0.3.75 and 0.33 dynamic without and with a
 # rank-64 LoRA: dense weights made on landing by the Q4_K kernel in both; ~9 min).
@@ -38,23 +38,23 @@
 # leaving 32 GB, at 24 and 12 GiB, bf16, 7,800 tokens, ~6 min), experts-64 / experts-fp8-32 (two experts,
 # home=auto, 24 GiB, bf16 with 64 GB / scaled fp8 with 32 GB, two prompts: the second's switches, ~4 min
 # each), ram-file (home=auto, bf16, 12 GiB, a ballast leaving 20 GB: the streamed blocks do not all fit
-# in RAM, so part streams from the file, held against the disk's O_DIRECT rate; 4 readers, the Model Loader's default, ~4 min), read-probe (bench/read_probe.py: BlockReader at 1-8 workers against the disk's O_DIRECT rate,
+# in RAM, so part streams from the file, held against the disk's O_DIRECT rate; 4 readers, the Model Loader's default, ~4 min), read-probe (bench/probes/read_probe.py: BlockReader at 1-8 workers against the disk's O_DIRECT rate,
 # 3 GB each, ~1 min with the file's write), cfg5-first (the cfg 5, 12 GiB,
 # halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps, beside ComfyUI resident: the re-plan by
 # measured rates, ~3.5 min).
 # compress-12h (issue "fewer bytes, same bits": RingSwap Loader on 0.3.75, 12 GiB, halved link, cfg 1 and 5,
 # compress off then on; needs nvCOMP: run(carry=[".whl-lean", ".whl-nvcomp"], command="RINGSWAP_WHEELS_DIR=.whl-lean
-# bash bench/device_run.sh plane-probe compress-12h"); plane-probe (bench/plane_probe.py: ratio and speed per format);
+# bash bench/device_run.sh plane-probe compress-12h"); plane-probe (bench/probes/plane_probe.py: ratio and speed per format);
 # compress-auto-12h (cfg 1 with compress=auto: the first prompt raw, the next coded by the measured rates),
 # compress-c1-12h (the cfg 1 half of compress-12h), compress-image-12h (4,096 tokens, the image shape, off then on),
 # compress-hide-24 (24 GiB, full link, cfg 5: copies hide; off, then home=auto with compress=auto: no cost),
 # ref-24 (RingSwap Loader, home=ram, 24 GiB, all RAM) and compress-experts-48 (two bf16 experts, home=auto,
 # compress=auto, a RAM ballast leaving 48 GB: both homes in RAM, coded; held to ref-24 within 1.02 x).
-# gap / gap-033 (bench/gap_profile.py: ComfyUI-resident vs WanModel alone, ~1.5 min each);
+# gap / gap-033 (bench/probes/gap_profile.py: ComfyUI-resident vs WanModel alone, ~1.5 min each);
 # gap-rs (0.3.75, 7,800 tokens, + RingSwap Patch at windows 29 and 10, the 24 / 12 GiB plans),
 # gap-033-dyn (0.33 dynamic VRAM, 7,800 tokens, + window 29), ~2 min each.
-# families / families-033-dyn (bench/families.py: Qwen-Image 12 GiB + VACE-14B 16 GiB, ~5 min),
-# vace-033-dyn (VACE-14B only, ~2.5 min). live-033 (bench/live_overhead.py: a server's s/step
+# families / families-033-dyn (bench/probes/families.py: Qwen-Image 12 GiB + VACE-14B 16 GiB, ~5 min),
+# vace-033-dyn (VACE-14B only, ~2.5 min). live-033 (bench/probes/live_overhead.py: a server's s/step
 # with and without a browser following the live block map, ~2 min).
 set -u
 OUT="${OUT:-$(pwd)/out/device}"
@@ -94,20 +94,20 @@ for p in "$@"; do
     gpu-033-dyn) part gpu_033_dyn 300 0.33 1 bash -c "$gpu_tests" ;;
     gpu-gguf) part gpu_gguf 200 0.3.75 0 "${gguf_gpu_tests[@]}" ;;
     gpu-gguf-033-dyn) part gpu_gguf_033_dyn 200 0.33 1 "${gguf_gpu_tests[@]}" ;;
-    dyn-bench) part dyn_bench 470 0.33 "" python3 bench/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
-    auto-033-dyn) part auto_033_dyn 420 0.33 1 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16_033dyn.json" ;;
-    auto-fp8-033-dyn) part auto_fp8_033_dyn 330 0.33 1 python3 bench/auto_window.py --format scaled_fp8 \
+    dyn-bench) part dyn_bench 470 0.33 "" python3 bench/probes/dynamic_vram.py --config-timeout-s 140 --json "$OUT/dynamic_vram.json" ;;
+    auto-033-dyn) part auto_033_dyn 420 0.33 1 python3 bench/probes/auto_window.py --format bf16 --json "$OUT/auto_bf16_033dyn.json" ;;
+    auto-fp8-033-dyn) part auto_fp8_033_dyn 330 0.33 1 python3 bench/probes/auto_window.py --format scaled_fp8 \
                         --cap-timeout-s 150 --json "$OUT/auto_fp8_033dyn.json" ;;
-    auto) part auto 420 0.3.75 0 python3 bench/auto_window.py --format bf16 --json "$OUT/auto_bf16.json" ;;
-    fold) part fold 150 "$bench_comfy" "" python3 bench/fold.py ;;
-    fold-gguf) part fold_gguf 200 0.3.75 0 python3 bench/fold.py --formats gguf_q4_k gguf_q8_0 --tokens 7800 --steps 6 --profile ;;
-    kernels) part kernels 200 "$bench_comfy" "" python3 bench/fold_kernels.py ;;
-    kernels-kq) part kernels_kq 150 0.3.75 0 python3 bench/fold_kernels.py --kinds q4_k q5_k q6_k ;;
-    stream-quant) part stream_quant 330 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 nvfp4 \
+    auto) part auto 420 0.3.75 0 python3 bench/probes/auto_window.py --format bf16 --json "$OUT/auto_bf16.json" ;;
+    fold) part fold 150 "$bench_comfy" "" python3 bench/probes/fold.py ;;
+    fold-gguf) part fold_gguf 200 0.3.75 0 python3 bench/probes/fold.py --formats gguf_q4_k gguf_q8_0 --tokens 7800 --steps 6 --profile ;;
+    kernels) part kernels 200 "$bench_comfy" "" python3 bench/probes/fold_kernels.py ;;
+    kernels-kq) part kernels_kq 150 0.3.75 0 python3 bench/probes/fold_kernels.py --kinds q4_k q5_k q6_k ;;
+    stream-quant) part stream_quant 330 "$bench_comfy" "" python3 bench/probes/stream.py --formats scaled_fp8 nvfp4 \
                     --odirect-gb 0 --budget-s 300 --json "$OUT/stream_quant.json" ;;
-    stream-fp8) part stream_fp8 240 "$bench_comfy" "" python3 bench/stream.py --formats scaled_fp8 --tokens 32760 \
+    stream-fp8) part stream_fp8 240 "$bench_comfy" "" python3 bench/probes/stream.py --formats scaled_fp8 --tokens 32760 \
                   --odirect-gb 0 --budget-s 210 --json "$OUT/stream_fp8.json" ;;
-    stream-bf16) part stream_bf16 420 "$bench_comfy" "" python3 bench/stream.py --formats bf16 --odirect-gb 0 \
+    stream-bf16) part stream_bf16 420 "$bench_comfy" "" python3 bench/probes/stream.py --formats bf16 --odirect-gb 0 \
                    --budget-s 390 --json "$OUT/stream_bf16.json" ;;
     compare-base) compare base 400 --groups base ;;
     compare:*) IFS=: read -r _ name secs args <<<"$p"; compare "$name" "$secs" ${args//,/ } ;;
@@ -120,9 +120,9 @@ for p in "$@"; do
     compare-fp8-24) compare fp8_24 540 --formats scaled_fp8 --groups peers ringswap --caps 24 ;;
     compare-fp8-12) compare fp8_12 480 --formats scaled_fp8 --configs rs-loader-0.3.75 rs-loader-0.33-dyn diffusers comfy-0.3.75 comfy-0.33-dyn comfy-0.33 --caps 12 ;;
     compare-repeat) compare repeat 560 --tokens 7800 --repeat 2 --rerun --configs comfy-0.33-dyn@0 rs-patch-0.33-dyn@24 rs-loader-0.33-dyn@24 ;;
-    families) part families 330 0.3.75 0 python3 bench/families.py --json "$OUT/families_075.json" ;;
-    families-033-dyn) part families_033_dyn 330 0.33 1 python3 bench/families.py --json "$OUT/families_033dyn.json" ;;
-    vace-033-dyn) part vace_033_dyn 200 0.33 1 python3 bench/families.py --families wan_vace_14b \
+    families) part families 330 0.3.75 0 python3 bench/probes/families.py --json "$OUT/families_075.json" ;;
+    families-033-dyn) part families_033_dyn 330 0.33 1 python3 bench/probes/families.py --json "$OUT/families_033dyn.json" ;;
+    vace-033-dyn) part vace_033_dyn 200 0.33 1 python3 bench/probes/families.py --families wan_vace_14b \
                     --json "$OUT/vace_033dyn.json" ;;
     compare-cfg5-12h) compare cfg5_12h 470 --tokens 7800 --cfgs 5 --links halved --caps 12 --configs comfy-0.33-dyn@0 \
                         rs-patch-0.33-dyn comfy-0.33-dyn rs-loader-0.33-dyn comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.3.75 ;;
@@ -176,15 +176,15 @@ for p in "$@"; do
     ref-24) compare ref_24 200 --tokens 7800 --configs rs-loader-0.3.75@24 ;;
     compress-experts-48) compare experts_48_compress 500 --tokens 7800 --configs rs-auto-0.3.75@24 --rams 48 \
                            --experts 2 --compress auto ;;
-    plane-probe) part plane_probe 150 0.3.75 0 python3 bench/plane_probe.py --json "$OUT/plane_probe.json" ;;
-    read-probe) part read_probe 120 0.3.75 0 python3 bench/read_probe.py --gb 3 --workers 1 4 8 --json "$OUT/read_probe.json" ;;
+    plane-probe) part plane_probe 150 0.3.75 0 python3 bench/probes/plane_probe.py --json "$OUT/plane_probe.json" ;;
+    read-probe) part read_probe 120 0.3.75 0 python3 bench/probes/read_probe.py --gb 3 --workers 1 4 8 --json "$OUT/read_probe.json" ;;
     cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
                   --configs comfy-0.3.75@0 rs-patch-0.3.75 ;;
-    live-033) part live_033 150 0.33 "" python3 bench/live_overhead.py --json "$OUT/live_033.json" ;;
-    gap) part gap 300 0.3.75 0 python3 bench/gap_profile.py --json "$OUT/gap.json" ;;
-    gap-033) part gap_033 300 0.33 0 python3 bench/gap_profile.py --json "$OUT/gap_033.json" ;;
-    gap-rs) part gap_rs 240 0.3.75 0 python3 bench/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
-    gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
+    live-033) part live_033 150 0.33 "" python3 bench/probes/live_overhead.py --json "$OUT/live_033.json" ;;
+    gap) part gap 300 0.3.75 0 python3 bench/probes/gap_profile.py --json "$OUT/gap.json" ;;
+    gap-033) part gap_033 300 0.33 0 python3 bench/probes/gap_profile.py --json "$OUT/gap_033.json" ;;
+    gap-rs) part gap_rs 240 0.3.75 0 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
+    gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
     *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 BENCH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.append(BENCH)   # last: bench/dynamic_vram.py must not shadow tests/support's
+sys.path.append(BENCH)   # last: nothing here may shadow tests/comfyui/support
 
 import compare_table  # noqa: E402
 import compare_targets  # noqa: E402

@@ -3,7 +3,7 @@ kernels? For each format: a Wan-14B-shaped file (40 blocks, 4,096 tokens on CUDA
 step streamed (window 4, prefetch 1) and one with every block resident; prints wall time,
 host enqueue time (until the forward returns, before synchronising), device kernel time
 and copy time per step (torch.profiler), and the top kernels of each.
-Usage: python bench/step_profile.py [nvfp4 scaled_fp8 bf16 ...]   (CPU: a tiny model)
+Usage: python bench/probes/step_profile.py [nvfp4 scaled_fp8 bf16 ...]   (CPU: a tiny model)
 """
 import os
 import sys
@@ -12,8 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402  (sets up ComfyUI on sys.path)
 import model_file  # noqa: E402
 

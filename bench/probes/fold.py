@@ -8,7 +8,7 @@ frames). Reports the fold's span per block (the engine's timed on-land work, on 
 stream beside the compute) and the step with and without LoRA; the verdict is the step's:
 target (issue 4) <= 1.03 x at 480p.
 GGUF files are written by bench/gguf_model.py and need ComfyUI-GGUF (carry .comfyui-gguf).
-Usage: python bench/fold.py [--formats bf16 quant_metadata nvfp4 gguf_q4_k] [--blocks 3] [--profile]
+Usage: python bench/probes/fold.py [--formats bf16 quant_metadata nvfp4 gguf_q4_k] [--blocks 3] [--profile]
 """
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from types import SimpleNamespace
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402  (sets up ComfyUI on sys.path)
 import gguf_model  # noqa: E402
 import model_file  # noqa: E402

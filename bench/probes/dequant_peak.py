@@ -2,7 +2,7 @@
 weight it returns (lora/dense_fold.py plans a dense fold's temporaries from these). Each type
 runs in a child process of its own (the peak is the process's RSS high-water mark), on the CPU:
 the same torch ops, so the same temporaries, as on a GPU. Linux (reads /proc/self/statm).
-Usage: python bench/dequant_peak.py [--dequant PATH/TO/ComfyUI-GGUF/dequant.py]"""
+Usage: python bench/probes/dequant_peak.py [--dequant PATH/TO/ComfyUI-GGUF/dequant.py]"""
 import argparse
 import os
 import subprocess
@@ -33,7 +33,7 @@ print(f"{name} dequant dtype {sys.argv[3]}: {(peak - start) / (m * n) - 2:.2f} b
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dequant", default=os.path.join(here, "..", ".comfyui", "custom_nodes", "ComfyUI-GGUF",
+    ap.add_argument("--dequant", default=os.path.join(here, "..", "..", ".comfyui", "custom_nodes", "ComfyUI-GGUF",
                                                        "dequant.py"))
     a = ap.parse_args()
     for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):

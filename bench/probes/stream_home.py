@@ -4,15 +4,19 @@ compute bound of the link-rate target's row."""
 from __future__ import annotations
 
 import gc
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from common import (RssSampler, compute_dtype, gb, make_inputs, rss_bytes, say, step_times, unload,
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]   # bench/probes/ (stream_*.py) and bench/ (common and its support)
+from common import (RssSampler, compute_dtype, gb, make_inputs, rss_bytes, say, step_times, unload,  # noqa: E402
                     vmhwm_bytes)
-from io_rates import drop_page_cache, odirect_rate
-from stream_budget import Budget
+from io_rates import drop_page_cache, odirect_rate  # noqa: E402
+from stream_budget import Budget  # noqa: E402
 
 
 def plan_counts(layers: int, window: int, prefetch: int) -> tuple[int, int]:

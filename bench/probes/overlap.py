@@ -4,7 +4,7 @@ ComfyUI's own WanModel with Wan 2.1 14B t2v sizes (40 blocks, dim 5120, ffn 1382
 40 heads, random bf16 weights), one denoising step = one forward of the diffusion
 model. Rows: fully resident; RingSwap at the given windows (prefetch 1, pinned home).
 Usage (repo root, ComfyUI on sys.path via RINGSWAP_COMFYUI_DIR):
-    python bench/overlap.py --tokens 32760 7800 --windows 4 20 --steps 3
+    python bench/probes/overlap.py --tokens 32760 7800 --windows 4 20 --steps 3
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/probes/ -> the repo
 COMFY = os.environ.get("RINGSWAP_COMFYUI_DIR") or os.path.join(REPO, ".comfyui")
 sys.path.insert(0, COMFY)
 sys.path.insert(0, os.path.join(COMFY, "custom_nodes"))

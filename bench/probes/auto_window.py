@@ -8,8 +8,8 @@ a ballast process holding all but --caps GiB of the GPU. Per workload: window 0 
 then manual windows around the one it chose; per run the median s/step after the first
 step, the plan line, any out-of-memory shrink, torch's VRAM peak.
 
-    source scripts/device_setup.sh && python3 bench/auto_window.py --format bf16 --json $OUT/auto.json
-Tiny CPU run of every code path (meaningless numbers): .venv/bin/python bench/auto_window.py --small
+    source scripts/device_setup.sh && python3 bench/probes/auto_window.py --format bf16 --json $OUT/auto.json
+Tiny CPU run of every code path (meaningless numbers): .venv/bin/python bench/probes/auto_window.py --small
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path)
 from comfy_start import RingSwapLines, start_comfy  # noqa: E402
 from model_file import wan14b_file  # noqa: E402

@@ -12,8 +12,8 @@ Per configuration and token count: median s/step of the steps after the first, t
 step, load time, host RSS peak (psutil, sampled) and its growth from before the load
 against the model's bytes, torch's VRAM peak.
 
-    source scripts/device_setup.sh && RINGSWAP_COMFY=0.33 ... python3 bench/dynamic_vram.py --json $OUT/dyn.json
-Tiny CPU run of every code path (fp32, meaningless numbers): .venv/bin/python bench/dynamic_vram.py --small
+    source scripts/device_setup.sh && RINGSWAP_COMFY=0.33 ... python3 bench/probes/dynamic_vram.py --json $OUT/dyn.json
+Tiny CPU run of every code path (fp32, meaningless numbers): .venv/bin/python bench/probes/dynamic_vram.py --small
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path)
 from model_file import wan14b_file  # noqa: E402
 

@@ -22,19 +22,22 @@ Issue-3 targets (PASS/FAIL): disk reads >= 85% of the O_DIRECT rate; home=ram at
 tokens >= 85% of the pinned host->GPU rate. Everything goes to --json as well.
 
 Usage (repo root; on the GPU machine after `source scripts/device_setup.sh`):
-    python3 bench/stream.py --json $OUT/stream.json
+    python3 bench/probes/stream.py --json $OUT/stream.json
 Runs here on a CPU with tiny shapes (all code paths, meaningless numbers):
-    .venv/bin/python bench/stream.py --device cpu --small
+    .venv/bin/python bench/probes/stream.py --device cpu --small
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
 
-from common import COMFY, REPO, T0, env_info, fmt_num, gb, latent_shape, say, write_json
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]   # bench/probes/ (stream_*.py) and bench/ (common and its support)
+from common import COMFY, REPO, T0, env_info, fmt_num, gb, latent_shape, say, write_json  # noqa: E402
 from io_rates import h2d_rate, odirect_rate
 from model_file import (estimate_file, existing_file_ok, file_signature, install_nvfp4_fallback, wan_template,
                         write_model)

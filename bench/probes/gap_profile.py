@@ -13,9 +13,9 @@ With --windows, then RingSwap Patch at each window (prefetch 1) against the resi
 in the same process (what streaming costs, by kernel). RINGSWAP_DYNAMIC_VRAM=1 starts 0.33's
 dynamic VRAM; --diff compares the profiles of two such runs (e.g. dynamic against static).
 
-    source scripts/device_setup.sh && python3 bench/gap_profile.py --json $OUT/gap.json
-    python3 bench/gap_profile.py --diff gap_033.json gap_033_dyn.json     # here, no GPU
-Tiny CPU run (meaningless numbers): RINGSWAP_COMFYUI_DIR=$PWD/.comfyui .venv/bin/python bench/gap_profile.py --small --windows 2
+    source scripts/device_setup.sh && python3 bench/probes/gap_profile.py --json $OUT/gap.json
+    python3 bench/probes/gap_profile.py --diff gap_033.json gap_033_dyn.json     # here, no GPU
+Tiny CPU run (meaningless numbers): RINGSWAP_COMFYUI_DIR=$PWD/.comfyui .venv/bin/python bench/probes/gap_profile.py --small --windows 2
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path)
 from model_file import wan14b_file  # noqa: E402
 

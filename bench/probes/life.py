@@ -5,8 +5,8 @@ Patch node; each run samples the high-noise expert for the first half of the ste
 the low-noise one for the rest with the stock KSamplerAdvanced. Over `--runs` runs it
 records the expert switch time (from the `RingSwap plan:` lines), process RSS, pinned
 bytes and VRAM after every run. Usage (repo root, on the GPU machine):
-    python bench/life.py --runs 20
-    python bench/life.py --small --runs 4        # CPU smoke test
+    python bench/probes/life.py --runs 20
+    python bench/probes/life.py --small --runs 4        # CPU smoke test
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import time
 import psutil
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/probes/ -> the repo
 COMFY = os.environ.get("RINGSWAP_COMFYUI_DIR") or os.path.join(REPO, ".comfyui")
 sys.path.insert(0, COMFY)
 sys.path.insert(0, os.path.join(COMFY, "custom_nodes"))

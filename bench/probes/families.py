@@ -9,8 +9,8 @@ prefetch 1 and 2. Qwen-Image (60 blocks, dim 3072) at 4,096 tokens is transfer-b
 rate measured in the same process. VACE-14B (40 main + 8 vace blocks, dim 5120) at 480p
 81 frames under 16 GiB: the verdict is s/step against the resident run.
 
-    source scripts/device_setup.sh && python3 bench/families.py --json $OUT/families.json
-Tiny CPU run of every code path (meaningless numbers): .venv/bin/python bench/families.py --small
+    source scripts/device_setup.sh && python3 bench/probes/families.py --json $OUT/families.json
+Tiny CPU run of every code path (meaningless numbers): .venv/bin/python bench/probes/families.py --small
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path, ballast)
 from comfy_start import RingSwapLines, start_comfy  # noqa: E402
 from io_rates import h2d_rate  # noqa: E402

@@ -4,7 +4,7 @@ Reads the first --gb of the bench's Wan-14B file block by block (the ranges an a
 reads) with BlockReader at several worker counts, the page cache dropped before each; and
 the disk's own O_DIRECT rate (bench/io_rates.py) at 1 and 4 readers.
 
-    python3 bench/read_probe.py --gb 6 --workers 1 2 4 8 [--format bf16] [--json out.json]
+    python3 bench/probes/read_probe.py --gb 6 --workers 1 2 4 8 [--format bf16] [--json out.json]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402
 from io_rates import drop_page_cache, odirect_rate  # noqa: E402
 from model_file import wan14b_file  # noqa: E402

@@ -6,8 +6,8 @@ with no websocket client and with one that subscribed to `ringswap.live` (POST
 /ringswap/live) the way the web extension does, counting the messages it gets. s/step is
 the server's own `RingSwap steps:` line. Target: the same s/step within noise.
 
-    source scripts/device_setup.sh && python3 bench/live_overhead.py --json $OUT/live.json
-Tiny CPU run (meaningless numbers): .venv/bin/python bench/live_overhead.py --small
+    source scripts/device_setup.sh && python3 bench/probes/live_overhead.py --json $OUT/live.json
+Tiny CPU run (meaningless numbers): .venv/bin/python bench/probes/live_overhead.py --small
 """
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ import uuid
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402  (ComfyUI and tests/comfyui/support on sys.path)
 from comfy_server import ComfyServer  # noqa: E402
 from wan_files import write_tiny_wan  # noqa: E402

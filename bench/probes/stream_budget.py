@@ -3,9 +3,12 @@ reference rates (shared/FACTS.md) that measured rates replace as they come in, s
 that would not fit the --budget-s are left out before they start."""
 from __future__ import annotations
 
+import os
+import sys
 import time
 
-from common import T0, gb
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
+from common import T0, gb  # noqa: E402
 
 # H200 reference rates, GB/s
 REF = {"write_gbps": 1.0, "disk_gbps": 1.0, "cold_gbps": 1.4, "pin_gbps": 1.4, "link_gbps": 51.7,

@@ -3,7 +3,7 @@ several tile shapes, first landing (two passes) and later ones (the kept amax), 
 each fp8 type against the op-by-op fold (mismatch counts); GGUF Q8_0's and K-quants' dense folds
 (lora/gguf_kernels.py) beside the ops they replace (the pack's dequantize, to bf16, addmm_), the
 pack's dequantize alone and the kernels without pairs. Imports no ComfyUI module (the pack's
-dequant.py is read from ComfyUI's custom_nodes where linked). Usage: python bench/fold_kernels.py [--reps 5]"""
+dequant.py is read from ComfyUI's custom_nodes where linked). Usage: python bench/probes/fold_kernels.py [--reps 5]"""
 import argparse
 import importlib.util
 import os
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402  (the repo as `ringswap` on sys.path)
 from ringswap.lora import gguf_kernels as G  # noqa: E402
 from ringswap.lora import kernels as K  # noqa: E402

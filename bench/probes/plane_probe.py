@@ -12,7 +12,7 @@ part rooms) alone and beside a bf16 matmul loop (the GPU time it takes from comp
 exactness; for planes also the re-interleave alone, three ways. Rows may set ANS's chunk size and
 the part size (`/c16`, `/p64`: see --formats). Needs nvCOMP (`.whl-nvcomp`).
 
-    python3 bench/plane_probe.py [--params 351e6] [--repeat 5] [--json out.json]
+    python3 bench/probes/plane_probe.py [--params 351e6] [--repeat 5] [--json out.json]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # bench/: common and its support
 import common  # noqa: E402
 
 WAN_BLOCK_PARAMS = 351e6
