@@ -14,7 +14,8 @@ order, the disk cells last, since they drop the page cache); a cell whose estima
 does not fit the rest of --budget-s is listed as "not run (budget)". Under the table, one line
 per RingSwap cell says which of the issue's targets it meets (compare_targets.py). The table (markdown)
 and everything measured (JSON) are written after every cell; --merge joins the JSON of
-several runs (e.g. several device calls) into one table.
+several runs (e.g. several device calls) into one table. The process exits with status 8
+(MISSED_EXIT) when a target line of the final report reads MISSED, 0 when none does.
 
     source scripts/device_setup.sh && python3 bench/compare.py --caps 24 --json $OUT/compare.json
     python3 bench/compare.py --merge a/compare.json b/compare.json --json all.json   # here, no GPU
@@ -37,7 +38,7 @@ from compare_child import CONFIGS, child  # noqa: E402
 from link_load import LinkLoad  # noqa: E402
 from ram_ballast import RamBallast, swapped_out_pages  # noqa: E402
 from compare_table import rounds_joined, scenario, table  # noqa: E402
-from compare_targets import targets  # noqa: E402
+from compare_targets import missed, targets  # noqa: E402
 
 # (configuration, cap GiB or None = each of --caps); 0 = no cap
 GROUPS = {
@@ -53,6 +54,9 @@ GROUPS = {
 EST_S = {"floor": 62, "comfy": 70, "diffusers": 85, "patch": 75, "loader": 75, "auto": 90, "disk": 240}
 RAM_BALLAST_S = 40.0   # measured 35-40 s on the H200 (a 48-85 GB ballast)
 FORMAT_SCALE = {"bf16": 1.0, "scaled_fp8": 0.7, "fp32": 2.0, "gguf_q8_0": 0.8, "gguf_q4_k": 0.7}
+# the exit status when a target line reads MISSED: apart from a crash (1), argparse (2), pytest's
+# 0-5 and timeout's 124+ in device_run.sh's summary
+MISSED_EXIT = 8
 
 
 def config_at(arg: str) -> tuple[str, float | None]:
@@ -179,7 +183,9 @@ def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
     return cell
 
 
-def save(a, cells: list[dict], env: dict) -> str:
+def save(a, cells: list[dict], env: dict) -> tuple[str, list[str]]:
+    """Write the report (the table, then one target line per RingSwap row) to --json and --md;
+    return it and its target lines that read MISSED."""
     joined = rounds_joined(cells)
     out = table(joined, small=a.small, link_gbps=env.get("h2d_gbps"))
     judged = targets(joined, env.get("h2d_gbps"), a.workers)
@@ -188,10 +194,20 @@ def save(a, cells: list[dict], env: dict) -> str:
     if a.md:
         with open(a.md, "w") as f:
             f.write(out + "\n")
-    return out
+    return out, missed(judged)
 
 
-def merge(a) -> None:
+def report(out: str, misses: list[str]) -> int:
+    """Print the final report; the exit status: MISSED_EXIT where a target line reads MISSED."""
+    print(out, flush=True)
+    if not misses:
+        return 0
+    print(f"compare.py: {len(misses)} target line(s) MISSED, exit {MISSED_EXIT}:\n" + "\n".join(misses),
+          file=sys.stderr, flush=True)
+    return MISSED_EXIT
+
+
+def merge(a) -> int:
     """Join the cells of several runs' JSON: a measured cell replaces one not run or failed."""
     cells: dict[tuple, dict] = {}
     env = {}
@@ -203,10 +219,11 @@ def merge(a) -> None:
             key = scenario(c) + (c["config"], c["cap_gib"], c.get("round", 0))
             if key not in cells or "rows" in c or "rows" not in cells[key]:
                 cells[key] = c
-    print(save(a, list(cells.values()), env))
+    return report(*save(a, list(cells.values()), env))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """compare.py's options."""
     ap = common.base_parser(__doc__, tuple(CONFIGS))
     ap.add_argument("--formats", nargs="+", default=None, choices=["bf16", "scaled_fp8", "fp32", "gguf_q8_0", "gguf_q4_k"],
                     help="default bf16 (--small: fp32, since 0.33's dynamic VRAM on a CPU runs bf16 weights uncast)")
@@ -254,31 +271,15 @@ def main() -> None:
     ap.add_argument("--comfy-0375", default=os.path.join(common.REPO, ".comfyui"), help="local runtime: ComfyUI 0.3.75")
     ap.add_argument("--comfy-033", default=os.path.join(common.REPO, ".comfyui-0.33"), help="local runtime: 0.33")
     ap.add_argument("--dry-run", action="store_true", help="list the cells and their estimates, then stop")
-    a = ap.parse_args()
-    if a.small:   # two workloads in one process, as on the GPU
-        a.ctx_len, a.tokens = 16, a.tokens or [64, 256]
-    a.formats = a.formats or (["fp32"] if a.small else ["bf16"])
-    a.caps = a.caps if a.caps is not None else ([24] if a.small else [24, 12])
-    if a.merge:
-        merge(a)
-        return
-    if common.start(a, child):
-        return
-    deadline = common.T0 + a.budget_s
-    cells = plan_cells(a)
-    measured: dict[tuple, float] = {}
-    env = common.env_info(torch.device(a.device))
-    if not a.dry_run:   # the pinned link's own rate, for the transfer-bound cells
-        from io_rates import h2d_rate
-        env["h2d_gbps"] = h2d_rate(torch.device(a.device), (64 if a.small else 1024) << 20)["gbps"]
-    common.say(f"compare.py: {len(cells)} cells, runtime {runtime(a)}, budget {a.budget_s:.0f} s; "
-               + ", ".join(f"{c['format']}/{c['config']}@{c['cap_gib']:g}" for c in cells))
-    if a.dry_run:
-        for c in cells:
-            print(f"{c['format']:>10} {c['config']:>20} cap {c['cap_gib']:>4g}: ~{estimate(c, measured, a):.0f} s")
-        return
+    return ap
+
+
+def run_cells(a, cells: list[dict], env: dict, deadline: float) -> None:
+    """Each cell in turn, its model file written first where the budget allows; the report
+    saved after every cell (a part killed at its time limit keeps what it measured)."""
     from gguf_model import is_gguf_format, wan14b_gguf
     from model_file import wan14b_file
+    measured: dict[tuple, float] = {}
     paths = {}
     for cell in cells:
         fmt = cell["format"]
@@ -299,8 +300,34 @@ def main() -> None:
             if "error" in cell:
                 common.say(f"[compare] FAILED (rc {cell.get('rc')}): {cell['error'][-1500:]}")
         save(a, cells, env)
-    print(save(a, cells, env), flush=True)
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the cells (or --merge earlier runs' JSON); the exit status, MISSED_EXIT where a
+    target line of the report reads MISSED."""
+    a = parser().parse_args(argv)
+    if a.small:   # two workloads in one process, as on the GPU
+        a.ctx_len, a.tokens = 16, a.tokens or [64, 256]
+    a.formats = a.formats or (["fp32"] if a.small else ["bf16"])
+    a.caps = a.caps if a.caps is not None else ([24] if a.small else [24, 12])
+    if a.merge:
+        return merge(a)
+    if common.start(a, child):
+        return 0
+    deadline = common.T0 + a.budget_s
+    cells = plan_cells(a)
+    env = common.env_info(torch.device(a.device))
+    if not a.dry_run:   # the pinned link's own rate, for the transfer-bound cells
+        from io_rates import h2d_rate
+        env["h2d_gbps"] = h2d_rate(torch.device(a.device), (64 if a.small else 1024) << 20)["gbps"]
+    common.say(f"compare.py: {len(cells)} cells, runtime {runtime(a)}, budget {a.budget_s:.0f} s; "
+               + ", ".join(f"{c['format']}/{c['config']}@{c['cap_gib']:g}" for c in cells))
+    if a.dry_run:
+        for c in cells:
+            print(f"{c['format']:>10} {c['config']:>20} cap {c['cap_gib']:>4g}: ~{estimate(c, {}, a):.0f} s")
+        return 0
+    run_cells(a, cells, env, deadline)
+    return report(*save(a, cells, env))
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -201,3 +201,8 @@ def targets(cells: list[dict], link_gbps: float | None, workers: int = 8) -> str
         lines.append(f"- {fmt} cfg {cfg:g} link {link} {c['cap_gib']:g} GiB {c['config']} {r['tokens']:,} tokens "
                      f"{s:.3f} s/step: " + "; ".join(bits))
     return "\n".join(lines)
+
+
+def missed(judged: str) -> list[str]:
+    """The target lines of `targets(...)` that read MISSED (compare.py then exits non-zero)."""
+    return [ln for ln in judged.splitlines() if "MISSED" in ln]

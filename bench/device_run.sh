@@ -25,7 +25,8 @@
 # compare-fp8-base (~4 min), compare-fp8-24 (~7 min), compare-fp8-12 (the peers and Loaders at 12 GiB,
 # ~6 min), compare-repeat (ComfyUI 0.33 dynamic VRAM at 7,800 tokens: resident, RingSwap Patch
 # and Loader at 24 GiB, two rounds, with --rerun, ~7 min: cross-process spread against a miss); a cell that does not fit is listed
-# "not run (budget)". Join the parts' JSON here: python3 bench/compare.py --merge A B ...
+# "not run (budget)"; a compare part whose report has a target line reading MISSED ends rc=8.
+# Join the parts' JSON here: python3 bench/compare.py --merge A B ... (exit 8 where a target is MISSED)
 # compare:NAME:SECONDS:ARGS (ARGS comma-separated compare.py arguments, e.g.
 # compare:a:300:--configs,comfy-0.33-dyn,--caps,0,24) for cells packed into one call.
 # compare-cfg5-12h / compare-cfg1-12h (issue "fast where users are": cfg 5 / 1, 12 GiB, halved link,
@@ -72,7 +73,10 @@ part() {   # part NAME SECONDS COMFY DYN COMMAND...   (COMFY: 0.3.75 or 0.33; DY
     exec timeout "$secs" "$@"
   ) >"$OUT/$name.log" 2>&1
   local rc=$?
-  summary+=("$name: rc=$rc in $((SECONDS - t0)) s$([ $rc = 97 ] && echo ' (setup failed, see its log)')")
+  local why=""
+  [ $rc = 97 ] && why=" (setup failed, see its log)"
+  [ $rc = 8 ] && why=" (a target MISSED: see its .md)"   # bench/compare.py's MISSED_EXIT
+  summary+=("$name: rc=$rc in $((SECONDS - t0)) s$why")
 }
 pytest=(python3 -m pytest -q -p no:cacheprovider tests/comfyui)
 gguf_gpu_tests=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui/test_gguf.py tests/comfyui/test_lora_kernels.py -k "gguf or q8_0")
