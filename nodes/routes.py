@@ -11,8 +11,7 @@ import asyncio
 import folder_paths
 from aiohttp import web
 
-from ..loaders.comfyui_adapter import comfy_features as features
-from ..loaders.comfyui_adapter import live_feed
+from ..loaders.comfyui_adapter import comfy_server, live_feed
 from ..loaders.comfyui_adapter.compress_choice import COMPRESS_MODES
 from ..loaders.comfyui_adapter.gguf_file import model_names
 from ..loaders.comfyui_adapter.plan_request import plan_for_file
@@ -96,7 +95,7 @@ async def post_live(request: web.Request) -> web.Response:
 
 def register_routes() -> bool:
     """Add the routes to ComfyUI's server when one is running (not when imported in-process)."""
-    instance = features.prompt_server()
+    instance = comfy_server.prompt_server()
     if instance is None:
         return False
     instance.routes.get("/ringswap/plan")(get_plan)

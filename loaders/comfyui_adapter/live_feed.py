@@ -18,7 +18,7 @@ import torch
 import comfy.utils
 
 from ...swap import BlockSwapEngine
-from . import comfy_features as features
+from . import comfy_server
 from .live_payload import live_payload
 
 log = logging.getLogger("ringswap.live_feed")
@@ -54,7 +54,7 @@ def subscribe(client_id: str) -> None:
 
 
 def connected_subscribers() -> list[str]:
-    return [sid for sid in list(_subscribers) if features.client_connected(sid)]
+    return [sid for sid in list(_subscribers) if comfy_server.client_connected(sid)]
 
 
 class LiveFeed:
@@ -65,7 +65,7 @@ class LiveFeed:
                  clients: Callable[[], list[str]] | None = None):
         self.engine = engine
         self.node = node
-        self.send = send or features.send_to_client
+        self.send = send or comfy_server.send_to_client
         self.clients = clients or connected_subscribers
         self.sent = 0
         self.step, self.steps = -1, 0

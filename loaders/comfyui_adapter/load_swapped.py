@@ -23,8 +23,7 @@ from ...swap.host_pool import mapped_allocations
 from ..model_file.block_reader import BlockReader, FileChangedError, file_identity
 from ..model_file.block_source import BlockSource
 from ..model_file.safetensors_index import SafetensorsIndex
-from . import comfy_features as features
-from . import gguf_file, gguf_tensors
+from . import comfy_models, gguf_file, gguf_tensors
 from .block_lists import ALL_NAMES, find_block_lists
 from .skeleton import build_skeleton
 from .swap_patcher import SwapModelPatcher, SwapSettings
@@ -63,9 +62,9 @@ def own_model_for(model: comfy.model_patcher.ModelPatcher,
     options (home=auto: RAM for the blocks that stream), to clone the MODEL onto; None for a MODEL
     RingSwap can swap as it is. A dynamic MODEL not made from a file by Load Diffusion
     Model is refused with what to use instead."""
-    if not features.built_for_dynamic_vram(model):
+    if not comfy_models.built_for_dynamic_vram(model):
         return None
-    source = features.source_file(model)
+    source = comfy_models.source_file(model)
     if source is None:
         raise ValueError(
             "RingSwap Patch: this MODEL was built for ComfyUI's dynamic VRAM, and not by Load Diffusion Model "

@@ -15,7 +15,7 @@ import comfy.model_management
 
 from ...swap.window_plan import PlanInputs, WindowPlan, plan_step
 from ..model_file.safetensors_index import SafetensorsIndex
-from . import comfy_features as features
+from . import comfy_memory, comfy_sampling
 from . import compress_choice, gguf_file
 from .block_lists import ALL_NAMES, find_block_lists, nonblock_bytes
 from .run_plan import tokens
@@ -64,10 +64,10 @@ def file_facts(path: str) -> FileFacts:
 def latent_shape(model, width: int, height: int, frames: int, batch: int) -> tuple[int, ...]:
     """The latent a run at this image/video size samples (the model's latent format)."""
     fmt = model.latent_format
-    spatial = features.spatial_downscale(fmt)
+    spatial = comfy_sampling.spatial_downscale(fmt)
     shape = [batch, fmt.latent_channels]
     if getattr(fmt, "latent_dimensions", 2) == 3:
-        shape.append((max(1, frames) - 1) // features.temporal_downscale(fmt) + 1)
+        shape.append((max(1, frames) - 1) // comfy_sampling.temporal_downscale(fmt) + 1)
     return tuple(shape + [max(1, height // spatial), max(1, width // spatial)])
 
 
@@ -75,7 +75,7 @@ def free_for_run(device) -> int:
     """Free device memory plus what ComfyUI's loaded models hold (unloaded before a run as needed)."""
     held = sum(lm.model_loaded_memory() for lm in comfy.model_management.current_loaded_models
                if getattr(lm, "device", None) == device)
-    return features.free_vram(device) + int(held)
+    return comfy_memory.free_vram(device) + int(held)
 
 
 def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: int = 1, window: int = 0,
@@ -88,7 +88,7 @@ def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: in
     shape = latent_shape(facts.model, width, height, frames, batch)
     device = comfy.model_management.get_torch_device()
     everything = device.type == "cpu" and not vram_budget_gb and not window
-    free, reserve = free_for_run(device), features.reserved_vram()
+    free, reserve = free_for_run(device), comfy_memory.reserved_vram()
 
     def inputs(per_call: int) -> PlanInputs:
         call = [shape[0] * per_call] + list(shape[1:])

@@ -2,7 +2,7 @@
 
 The room is `ram_budget_gb` when set; else the RAM available now, plus the homes this model
 already holds, less a margin (MARGIN_SHARE of those two, at least MARGIN_MIN) and less what
-ComfyUI says it keeps for itself (comfy_features.ram_kept_by_comfy). The margin follows the
+ComfyUI says it keeps for itself (comfy_memory.ram_kept_by_comfy). The margin follows the
 RAM there is to share, not the machine's size, so a RAM ballast emulates a smaller machine.
 A model taken off the GPU may keep its resident blocks in what the room leaves (`capture_room`).
 """
@@ -12,7 +12,7 @@ import logging
 
 from ...swap.residency import ResidencyPlan
 from ...swap.ram_split import RamSplit, split_ram
-from . import comfy_features as features
+from . import comfy_memory
 
 log = logging.getLogger("ringswap.ram_room")
 
@@ -25,9 +25,9 @@ def room(engine, ram_budget_gb: float) -> tuple[int, str]:
     """(bytes the model's block homes may use, why)."""
     if ram_budget_gb > 0:
         return int(ram_budget_gb * GB), f"ram_budget_gb {ram_budget_gb:g}"
-    available, held = features.ram_available(), engine.pool.nbytes
+    available, held = comfy_memory.ram_available(), engine.pool.nbytes
     margin = max(MARGIN_MIN, MARGIN_SHARE * (available + held))
-    kept = features.ram_kept_by_comfy()
+    kept = comfy_memory.ram_kept_by_comfy()
     why = (f"{available / GB:.1f} GB available + {held / GB:.1f} GB of its homes - {margin / GB:.1f} GB margin"
            + (f" - {kept / GB:.1f} GB ComfyUI keeps" if kept else ""))
     return max(0, int(available + held - margin - kept)), why

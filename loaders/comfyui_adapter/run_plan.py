@@ -26,6 +26,7 @@ from ...swap.residency import ResidencyPlan
 from ...swap.window_plan import NotEnoughVRAM, PlanInputs, WindowPlan, plan_step, replan_with_rates, shrink_after_oom
 from ...swap.recovery import run_call
 from . import comfy_features as features
+from . import comfy_memory, comfy_sampling
 from . import compress_choice, live_feed, ram_room
 from .run_state import swap_state_on
 
@@ -109,7 +110,7 @@ def conds_per_step(guider) -> int | None:
 
 def _outer_sample(executor, *args, **kwargs):
     token = _conds_per_step.set(conds_per_step(executor.class_obj))
-    steps = _steps.set(features.sampling_steps(executor, args, kwargs))
+    steps = _steps.set(comfy_sampling.sampling_steps(executor, args, kwargs))
     try:
         return executor(*args, **kwargs)
     finally:
@@ -120,10 +121,10 @@ def _outer_sample(executor, *args, **kwargs):
 def _prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
     if getattr(model, "ringswap", None) is not None:
         shape = tuple(int(d) for d in noise_shape)
-        single, batched = features.activation_estimates(model, shape, conds)
+        single, batched = comfy_memory.activation_estimates(model, shape, conds)
         per_step = _conds_per_step.get()
         model.ringswap_run.request = RunRequest(
-            shape, single, batched, per_step if per_step is not None else features.ESTIMATE_CONDS,
+            shape, single, batched, per_step if per_step is not None else comfy_memory.ESTIMATE_CONDS,
             steps=_steps.get() or 0)
     return executor(model, noise_shape, conds, *args, **kwargs)
 
@@ -132,7 +133,7 @@ def _calc_cond_batch(executor, model, conds, x_in, timestep, model_options, *arg
     patcher = getattr(model, "current_patcher", None)
     if getattr(patcher, "ringswap", None) is None:
         return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
-    with features.batching_asks(patcher):
+    with comfy_memory.batching_asks(patcher):
         return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
 
 
@@ -146,7 +147,7 @@ def free_for_batching(patcher, free_bytes: int) -> int:
     plan, request = patcher.ringswap_run.plan, request_of(patcher)
     if plan is None or request is None or patcher.swap_engine.att is None or request.conds_per_step <= 1:
         return free_bytes
-    line = int(features.BATCH_MARGIN * request.estimate_for(plan.inputs.conds_per_step))
+    line = int(comfy_memory.BATCH_MARGIN * request.estimate_for(plan.inputs.conds_per_step))
     return max(free_bytes, int(line * LINE_SLACK) + 1) if plan.batched else min(free_bytes, line)
 
 
@@ -205,7 +206,7 @@ def plan_inputs(patcher, device: torch.device, free_bytes: int, request: RunRequ
         nonblock_bytes=state.nonblock_bytes + (folder.workspace_bytes(device) + folder.pair_bytes(device) if folder else 0)
         + compress_choice.scratch_bytes(settings.compress, device, engine.home, engine.read_block is not None,
                                          bool(engine.pool.coded), copy_bound),
-        free_bytes=int(free_bytes), reserve_bytes=features.reserved_vram(source == MEASURED),
+        free_bytes=int(free_bytes), reserve_bytes=comfy_memory.reserved_vram(source == MEASURED),
         activation_bytes=int(activation),
         activation_source=source, budget_bytes=int(settings.vram_budget_gb * GB),
         window=settings.window if window is None else window, prefetch=settings.prefetch, device=str(device),
@@ -254,7 +255,7 @@ def free_for(patcher, device: torch.device) -> int:
     folder, att = patcher.ringswap_run.folder, patcher.swap_engine.att
     kept = folder.kept_bytes(device) if folder is not None else 0
     dense = att.dense_held_bytes() if att is not None and att.device == device else 0
-    return int(features.free_vram(device) + patcher.model.model_loaded_weight_memory + kept + dense)
+    return int(comfy_memory.free_vram(device) + patcher.model.model_loaded_weight_memory + kept + dense)
 
 
 def ran_here(patcher, device: torch.device, plan: ResidencyPlan, conds: int) -> bool:

@@ -22,6 +22,7 @@ import comfy.utils
 from ..model_file.quant import build_quantized_blocks, comfy_quant_layers, declare_fp8_layers
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_features as features
+from . import comfy_models
 from .file_names import FileNames, comfy_prefix
 
 log = logging.getLogger("ringswap.skeleton")
@@ -59,11 +60,11 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
           for n, t in index.tensors.items()}
 
     metadata = dict(index.metadata)
-    sd, metadata = features.convert_old_quants(sd, metadata)
+    sd, metadata = comfy_models.convert_old_quants(sd, metadata)
     prefix = comfy_prefix(sd)
     if prefix:
         sd = comfy.utils.state_dict_prefix_replace(sd, {prefix: ""}, filter_keys=True)
-        sd, metadata = features.convert_old_quants(sd, metadata)
+        sd, metadata = comfy_models.convert_old_quants(sd, metadata)
     reads_comfy_quant = features.reads_comfy_quant()
     layers = {} if reads_comfy_quant else comfy_quant_layers(sd)
     metadata = declare_fp8_layers(metadata, layers)
@@ -82,10 +83,10 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
     names = FileNames(model_config, index.tensors, prefix)
 
     if not weights:
-        with features.static_construction(), torch.device("meta"):
+        with comfy_models.static_construction(), torch.device("meta"):
             model = model_config.get_model(sd, "")
         return Skeleton(model, model_config, load_device, offload_device, names)
-    with features.static_construction():
+    with comfy_models.static_construction():
         model = model_config.get_model(sd, "").to(offload_device)   # a no-op move: nothing is loaded yet
         dm = model.diffusion_model
         block_modules = [(n, m) for n, m in dm.named_modules() if _is_block_key(n, "", list_names)]
@@ -103,16 +104,16 @@ def _set_dtypes(model_config, model_options: dict, parameters: int, weight_dtype
     """The model's dtype and manual-cast dtype, chosen and set as ComfyUI's
     load_diffusion_model_state_dict does (model_options: dtype, custom_operations, fp8)."""
     supported = list(model_config.supported_inference_dtypes)
-    if features.drops_weight_dtype(model_config):
+    if comfy_models.drops_weight_dtype(model_config):
         weight_dtype = None
     unet_dtype = model_options.get("dtype", None)
     if unet_dtype is None:
         unet_dtype = comfy.model_management.unet_dtype(model_params=parameters, supported_dtypes=supported,
                                                        weight_dtype=weight_dtype)
-    quantized = features.layer_quant_config(model_config) is not None
+    quantized = comfy_models.layer_quant_config(model_config) is not None
     manual_cast_dtype = comfy.model_management.unet_manual_cast(None if quantized else unet_dtype, load_device,
                                                                 supported)
-    features.set_inference_dtype(model_config, unet_dtype, manual_cast_dtype, load_device)
+    comfy_models.set_inference_dtype(model_config, unet_dtype, manual_cast_dtype, load_device)
     model_config.custom_operations = model_options.get("custom_operations", model_config.custom_operations)
     if model_options.get("fp8_optimizations", False):
         model_config.optimizations["fp8"] = True

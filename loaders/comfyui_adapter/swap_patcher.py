@@ -26,7 +26,7 @@ from ...swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
 from ...swap.host_pool import set_pin_budget
 from ...swap.page_out import mapped_tensors, page_out_moved
 from ...swap.window_plan import NotEnoughVRAM, keep_attached
-from . import comfy_features as features
+from . import comfy_memory, comfy_models, comfy_server
 from . import compress_choice, gguf_tensors, live_feed, ram_room, run_plan
 from .live_payload import RUN_EVENT, run_payload
 from .run_state import RunState
@@ -34,8 +34,8 @@ from .swap_state import SwapState
 
 log = logging.getLogger("ringswap.patcher")
 
-if features.ComfyPinBudget.available():   # RingSwap's pins count in ComfyUI's pin budget
-    set_pin_budget(features.ComfyPinBudget())
+if comfy_memory.ComfyPinBudget.available():   # RingSwap's pins count in ComfyUI's pin budget
+    set_pin_budget(comfy_memory.ComfyPinBudget())
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             raise ValueError(f"RingSwap: expected a diffusion MODEL (a ComfyUI ModelPatcher with a "
                              f"diffusion_model), got {type(model).__name__}")
         if onto is not None:
-            n = features.clone_onto(model, onto)
+            n = comfy_models.clone_onto(model, onto)
             n.ringswap_base = onto
         else:
             src_cls = model.__class__
@@ -239,8 +239,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         run = self.ringswap_run
         key = (self.patches_uuid, device, not run.packed_only)
         if run.folder_key != key:
-            run.folder = block_folder(self.swap_state, self.patches, features.lora_patch_dtype(device),
-                                      features.inference_dtype(self.model), dense_on_land=not run.packed_only)
+            run.folder = block_folder(self.swap_state, self.patches, comfy_models.lora_patch_dtype(device),
+                                      comfy_models.inference_dtype(self.model), dense_on_land=not run.packed_only)
             run.folder_key = key
         return run.folder
 
@@ -373,7 +373,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     def get_free_memory(self, device):
         """What ComfyUI's calc_cond_batch counts on for the step's conds: the plan decided
         whether they run batched (run_plan.free_for_batching)."""
-        return run_plan.free_for_batching(self, features.patcher_free_memory(self, device))
+        return run_plan.free_for_batching(self, comfy_memory.patcher_free_memory(self, device))
 
     def cleanup(self, *args, **kwargs):
         stats = self.swap_engine.end_run()
@@ -394,5 +394,5 @@ def _publish(stats, plan, node: str | None, run: tuple[float, int, int]) -> None
         log.info("RingSwap steps: %d in %.2f s, %.3f s/step, %.2f model calls a step%s%s", steps, wall_s,
                  wall_s / steps, stats.calls / steps, planned,
                  f"; {live} live block maps sent to the browser" if live else "")
-    if features.prompt_server() is not None:
-        features.send_to_client(RUN_EVENT, run_payload(stats, plan, node, wall_s, steps, live))
+    if comfy_server.prompt_server() is not None:
+        comfy_server.send_to_client(RUN_EVENT, run_payload(stats, plan, node, wall_s, steps, live))

@@ -14,7 +14,7 @@ import comfy.sd
 import comfy.utils
 
 from conftest import DYNAMIC_VRAM
-from ringswap.loaders.comfyui_adapter import comfy_features as features
+from ringswap.loaders.comfyui_adapter import comfy_models
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
 from ringswap.loaders.comfyui_adapter.run_state import swap_state_on
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
@@ -43,8 +43,8 @@ def outputs(model, seeds=(0, 1)):
 def test_stock_loader_builds_for_dynamic_vram(wan):
     """The premise: the stock MODEL holds lazily built layers over the file's tensors."""
     stock = load_stock(wan)
-    assert features.built_for_dynamic_vram(stock)
-    assert features.source_file(stock) == (wan, {})
+    assert comfy_models.built_for_dynamic_vram(stock)
+    assert comfy_models.source_file(stock) == (wan, {})
 
 
 @pytest.mark.parametrize("window,prefetch", [(1, 1), (2, 2), (5, 1)])
@@ -55,7 +55,7 @@ def test_patch_on_dynamic_model_equals_stock(wan, window, prefetch):
     (patched,) = RingSwapPatch().patch(stock, window, prefetch, "auto")
     assert isinstance(patched, SwapModelPatcher)
     assert patched.model is not stock.model, "cloned onto RingSwap's own load of the file"
-    assert not features.built_for_dynamic_vram(patched)
+    assert not comfy_models.built_for_dynamic_vram(patched)
     for run in range(2):
         got = outputs(patched)
         for k in range(2):
@@ -91,7 +91,7 @@ def test_patch_refuses_a_dynamic_model_it_cannot_read(wan):
     """A MODEL built for dynamic VRAM from a state dict (no file ComfyUI can rebuild it from)."""
     sd, metadata = comfy.utils.load_torch_file(wan, return_metadata=True)
     stock = comfy.sd.load_diffusion_model_state_dict(sd, metadata=metadata)
-    assert features.built_for_dynamic_vram(stock) and features.source_file(stock) is None
+    assert comfy_models.built_for_dynamic_vram(stock) and comfy_models.source_file(stock) is None
     with pytest.raises(ValueError, match="dynamic VRAM.*RingSwap Model Loader.*--disable-dynamic-vram"):
         RingSwapPatch().patch(stock, 2, 1, "auto")
 
@@ -105,7 +105,7 @@ def test_model_loader_under_dynamic_vram_equals_static_stock(tmp_path, dtype):
     comfy.model_management.unload_all_models()
     for home in ("ram", "disk"):
         model = load_swapped_model(path, SwapSettings(2, 1), home=home, disk_workers=2)
-        assert not features.built_for_dynamic_vram(model)
+        assert not comfy_models.built_for_dynamic_vram(model)
         got = outputs(model)
         for k in range(2):
             assert torch.equal(got[k], ref[k]), f"{dtype} home={home} input {k}"
@@ -116,7 +116,7 @@ def test_patch_keeps_the_stock_loaders_options(wan):
     """Load Diffusion Model's weight_dtype (model_options) is what RingSwap's own load uses too."""
     options = {"dtype": torch.float8_e4m3fn}
     stock = comfy.sd.load_diffusion_model(wan, model_options=options)
-    assert features.source_file(stock) == (wan, options)
+    assert comfy_models.source_file(stock) == (wan, options)
     ref = outputs(load_static(wan, options))
     comfy.model_management.unload_all_models()
     (patched,) = RingSwapPatch().patch(stock, 2, 1, "auto")
@@ -166,13 +166,13 @@ def test_static_construction_is_seen_only_by_the_thread_that_builds(tmp_path, mo
     first_in, first_out, inside = threading.Event(), threading.Event(), []
 
     def first():
-        with features.static_construction():
+        with comfy_models.static_construction():
             first_in.set()
             first_out.wait(5)
     t = threading.Thread(target=first)
     t.start()
     first_in.wait(5)
-    with features.static_construction():
+    with comfy_models.static_construction():
         first_out.set()
         t.join()
         inside.append(memory_management.aimdo_enabled)

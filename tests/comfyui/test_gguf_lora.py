@@ -13,7 +13,7 @@ import comfy.model_management
 import nodes
 
 from ringswap.loaders.comfyui_adapter import run_plan
-from ringswap.loaders.comfyui_adapter.comfy_features import inference_dtype
+from ringswap.loaders.comfyui_adapter.comfy_models import inference_dtype
 from ringswap.lora import kernels
 from ringswap.nodes.patch import RingSwapPatch
 from support.gguf_case import BLOCKS, PACK, gguf_dir, load_gguf, lora_on, pack_mark, same_lora  # noqa: F401

@@ -86,14 +86,14 @@ def test_bad_ram_budget_is_refused():
 
 
 def test_automatic_room_is_available_ram_less_margin_and_comfys_keep(wan):
-    from ringswap.loaders.comfyui_adapter import comfy_features as features
+    from ringswap.loaders.comfyui_adapter import comfy_memory
     from ringswap.loaders.comfyui_adapter.ram_room import MARGIN_MIN, room
     path, _ = wan
     engine = load_swapped_model(path, SwapSettings(3, 1), home="auto").swap_engine
     assert room(engine, 1.5) == (1_500_000_000, "ram_budget_gb 1.5")
-    before = features.ram_available()
+    before = comfy_memory.ram_available()
     nbytes, why = room(engine, 0.0)
-    available, kept = max(before, features.ram_available()), features.ram_kept_by_comfy()
+    available, kept = max(before, comfy_memory.ram_available()), comfy_memory.ram_kept_by_comfy()
     assert 0 <= nbytes <= max(0, available - MARGIN_MIN - kept)
     assert "GB available" in why and "margin" in why and (("ComfyUI keeps" in why) == bool(kept)), why
     import comfy.cli_args

@@ -162,7 +162,7 @@ def write_big_wan(path, dim, blocks, ffn, seed=5):
     import comfy.ops
     from comfy.ldm.wan.model import WanModel
     from support.wan_files import WEIGHT_STD, _is_norm_weight
-    from ringswap.loaders.comfyui_adapter.comfy_features import static_construction
+    from ringswap.loaders.comfyui_adapter.comfy_models import static_construction
     with torch.device("meta"), static_construction():
         m = WanModel(model_type="t2v", patch_size=(1, 2, 2), in_dim=16, dim=dim, ffn_dim=ffn,
                      freq_dim=256, text_dim=4096, out_dim=16, num_heads=dim // 128, num_layers=blocks,

@@ -8,7 +8,7 @@ import torch
 
 import comfy.model_management as mm
 
-from ringswap.loaders.comfyui_adapter.comfy_features import ComfyPinBudget
+from ringswap.loaders.comfyui_adapter.comfy_memory import ComfyPinBudget
 from ringswap.nodes.patch import RingSwapPatch
 from ringswap.swap import host_pool
 from wan_model import forward, inputs, load_stock, tiny_wan

@@ -32,8 +32,9 @@ def load_stock(path):
 def load_static(path, model_options=None):
     """ComfyUI's static load of `path`: what --disable-dynamic-vram (or a CPU) gives."""
     from ringswap.loaders.comfyui_adapter import comfy_features as features
+    from ringswap.loaders.comfyui_adapter import comfy_models
     kwargs = {"disable_dynamic": True} if features.has_arg(comfy.sd.load_diffusion_model, "disable_dynamic") else {}
-    with features.static_construction():
+    with comfy_models.static_construction():
         return comfy.sd.load_diffusion_model(path, model_options=model_options or {}, **kwargs)
 
 
@@ -43,9 +44,10 @@ def static_twin(patcher):
     use in the compute dtype and never stores patched weights: weight-level references
     come from the static twin, outputs from the dynamic MODEL."""
     from ringswap.loaders.comfyui_adapter import comfy_features as features
+    from ringswap.loaders.comfyui_adapter import comfy_models
     if not features.is_dynamic(patcher):
         return patcher
-    return load_static(*features.source_file(patcher))
+    return load_static(*comfy_models.source_file(patcher))
 
 
 def patched_weights(stock, lora_sd, strength, keys=lambda k: True):

@@ -23,7 +23,7 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.supported_models
 
-from ringswap.loaders.comfyui_adapter import comfy_features as features
+from ringswap.loaders.comfyui_adapter import comfy_models
 
 WEIGHT_STD = 0.02
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]
@@ -196,8 +196,8 @@ def build(family: Family, seed: int = 0, dtype: torch.dtype = torch.float32,
         raise RuntimeError(f"cannot build {family.name}: {reason}")
     load_device = comfy.model_management.get_torch_device()
     config = getattr(comfy.supported_models, family.config)(family.constructor_config())
-    features.set_inference_dtype(config, dtype, None, load_device)
-    with features.static_construction():
+    comfy_models.set_inference_dtype(config, dtype, None, load_device)
+    with comfy_models.static_construction():
         model = config.get_model({})
     dm = model.diffusion_model
     norms = _norm_weights(dm)

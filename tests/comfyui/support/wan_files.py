@@ -33,7 +33,7 @@ def _ensure_comfy_cpu_if_needed():
 
 def _static_construction():
     try:
-        from ringswap.loaders.comfyui_adapter.comfy_features import static_construction
+        from ringswap.loaders.comfyui_adapter.comfy_models import static_construction
     except ImportError:   # run as a script, without the pack on sys.path
         return contextlib.nullcontext()
     return static_construction()
