@@ -8,7 +8,7 @@ run's stats.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -22,9 +22,6 @@ from .slot_ring import Slot, SlotRing
 from .sources import CodedSource, FileSource, RamSource
 from .stats import RunStats
 from .transfer import CopyStream
-
-if TYPE_CHECKING:
-    from .resident_folds import ResidentFolds
 
 
 OnLand = Callable[..., "dict[int, torch.Tensor] | None"]   # on_land(block, tensors[, out=]): BlockSwapEngine.attach
@@ -66,6 +63,14 @@ class ResidentWork:
     blocks: frozenset[int]
     placed: OnLand
     each_call: OnLand
+
+
+class HeldFolds(Protocol):
+    """What the attachment asks of its resident blocks' per-call folds (swap/resident_folds.py
+    ResidentFolds, which imports this module: a Protocol here keeps the imports one way)."""
+    arenas: list
+
+    def remove(self) -> None: ...
 
 
 class BlockState:
@@ -111,7 +116,7 @@ class Attachment:
         self.may_code = False       # resident blocks kept in RAM at detach are coded (coding.keep_coder)
         self.hooks: BlockHooks | None = None
         self.resident_work: ResidentWork | None = None   # on-land work split for resident blocks
-        self.resident_folds: ResidentFolds | None = None   # their hooks
+        self.resident_folds: HeldFolds | None = None      # their hooks
         self.order = CallOrder(plan.streamed, learned)
         self.stats = self.new_stats()
 
