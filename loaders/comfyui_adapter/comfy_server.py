@@ -1,7 +1,12 @@
-"""ComfyUI's running process as RingSwap reaches it: the prompt server and its websocket
-clients."""
+"""ComfyUI's running process as RingSwap reaches it: the prompt server, its websocket
+clients, and the node classes ComfyUI registered.
+
+ComfyUI's own top-level `nodes` module is reached here under the name `comfy_nodes`, never
+imported as `nodes`, so it cannot be mistaken for the pack's own `nodes/` package.
+"""
 from __future__ import annotations
 
+import importlib
 import sys
 
 
@@ -23,3 +28,12 @@ def send_to_client(event: str, data: dict, sid: str | None = None) -> None:
     if instance is not None:
         instance.send_sync(event, data, sid)
 
+
+def comfy_nodes():
+    """ComfyUI's own `nodes` module (its node registry, NODE_CLASS_MAPPINGS included)."""
+    return importlib.import_module("nodes")
+
+
+def node_class(name: str):
+    """The node class ComfyUI registered under `name` (its own or a custom pack's), or None."""
+    return getattr(comfy_nodes(), "NODE_CLASS_MAPPINGS", {}).get(name)

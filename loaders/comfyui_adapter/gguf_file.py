@@ -21,6 +21,7 @@ from ...swap.layout import BlockLayout
 from ..model_file.block_reader import BlockReader
 from ..model_file.block_source import BlockSource
 from ..model_file.safetensors_index import TensorInfo
+from .comfy_server import node_class
 from .file_names import FileNames, comfy_prefix
 
 PACK_NODE = "UnetLoaderGGUF"
@@ -36,8 +37,7 @@ def is_gguf(path: str) -> bool:
 def pack_nodes(path: str):
     """The module of ComfyUI-GGUF's nodes (its loader, ops and patcher), as ComfyUI imported the
     pack; ValueError naming `path` and the pack where it is not installed."""
-    import nodes
-    cls = nodes.NODE_CLASS_MAPPINGS.get(PACK_NODE)
+    cls = node_class(PACK_NODE)
     module = sys.modules.get(getattr(cls, "__module__", "")) if cls is not None else None
     if module is None or not all(hasattr(module, n) for n in ("gguf_sd_loader", "GGMLOps", "GGUFModelPatcher")):
         raise ValueError(f"RingSwap Model Loader: {path} is a GGUF file; reading it needs the {PACK} custom node "
