@@ -4,7 +4,7 @@ Pure logic, no torch. The device holds `window + prefetch` blocks. If the whole 
 fits in that, every block is resident. Otherwise `window - 1` blocks stay resident for
 the whole run and the rest stream through a ring of `prefetch + 1` slots (the block
 computing plus `prefetch` copies in flight), so each step copies only the streamed
-blocks (DESIGN.md, "Residency"). Streamed blocks are spread evenly through the model
+blocks (docs/design.md). Streamed blocks are spread evenly through the model
 so that every copy has resident compute around it to hide under. A plan changed mid-run
 (`reshaped`) keeps as many of the blocks already resident as it can, so only the
 difference moves.
