@@ -4,6 +4,8 @@ ComfyUI version, and the first step, load time, peak VRAM, host RSS (peak / stea
 pinned bytes."""
 from __future__ import annotations
 
+import re
+
 import statistics
 
 from common import fmt_num, gb, md_table
@@ -97,7 +99,7 @@ def _note(c: dict, r: dict, link_gbps: float | None) -> str:
                     + f" GB/s (1 / {c['odirect'][-1]['threads']} readers)")
     if c.get("ram_ballast"):
         bits.append(f"RAM ballast {c['ram_ballast']}; pages swapped out {c.get('pages_swapped_out')}")
-    splits = [ln.split("; home auto: ")[1].split("; placed")[0] for ln in r.get("log", []) if "; home auto: " in ln]
+    splits = [m[1] for ln in r.get("log", []) if (m := re.search(r"; home auto: (.*?RAM counted on [^(]*\([^)]*\))", ln))]
     if splits:
         bits.append("home auto: " + splits[-1])
     if r.get("switch_step_s") is not None:

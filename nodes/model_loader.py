@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import folder_paths
 
-from ..loaders.comfyui_adapter.compress_choice import COMPRESS_MODES
+from ..swap.coding_choice import COMPRESS_MODES
 from ..loaders.comfyui_adapter.gguf_file import model_names
 from ..loaders.comfyui_adapter.live_feed import progress_bar
 from ..loaders.comfyui_adapter.load_swapped import cached_swapped_base

@@ -1,7 +1,7 @@
 """RingSwap Patch: turn on block swapping for any MODEL (e.g. from Load Diffusion Model)."""
 from __future__ import annotations
 
-from ..loaders.comfyui_adapter.compress_choice import COMPRESS_MODES
+from ..swap.coding_choice import COMPRESS_MODES
 from ..loaders.comfyui_adapter.live_feed import progress_bar
 from ..loaders.comfyui_adapter.load_swapped import own_model_for
 from ..loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings

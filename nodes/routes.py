@@ -12,10 +12,10 @@ import folder_paths
 from aiohttp import web
 
 from ..loaders.comfyui_adapter import comfy_server, live_feed
-from ..loaders.comfyui_adapter.compress_choice import COMPRESS_MODES
+from ..swap.coding_choice import COMPRESS_MODES
 from ..loaders.comfyui_adapter.gguf_file import model_names
-from ..loaders.comfyui_adapter.plan_request import plan_for_file
-from ..swap.engine import HOMES
+from ..loaders.comfyui_adapter.file_plan import plan_for_file
+from ..swap.home_policy import HOMES
 from ..swap.window_plan import NotEnoughVRAM
 
 # query parameter -> (type, smallest, largest, default; None = required)

@@ -16,9 +16,12 @@ import torch
 from torch import nn
 
 from . import home, placement
+from .facts import engine_facts
+from .home_policy import home_policy
 from .hooks import BlockHooks
 from .host_pool import HostPool
 from .layout import BlockLayout
+from .load_plan import PIN_MODES, EngineFacts, LoadPlan
 from .residency import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .resident_folds import fold_resident
@@ -31,8 +34,6 @@ from .stats import RunStats
 
 log = logging.getLogger("ringswap.engine")
 
-PIN_MODES = ("auto", "on", "off")
-HOMES = ("ram", "disk", "auto")
 
 
 class BlockSwapEngine:
@@ -47,12 +48,10 @@ class BlockSwapEngine:
                  home: str = "ram", disk_workers: int = 4):
         if not blocks:
             raise ValueError("BlockSwapEngine needs at least one block")
-        if home not in HOMES:
-            raise ValueError(f"home must be one of {HOMES}, got {home!r}")
-        if home in ("disk", "auto") and read_block is None:
+        self.homes = home_policy(home)
+        if self.homes.from_file and read_block is None:
             raise ValueError(f"home={home!r} needs a read_block function")
         self.read_block = read_block
-        self.home = home
         self.disk_workers = max(1, disk_workers)
         self.read_buffers = max(2, self.disk_workers)   # one reader still reads the next block ahead
         layouts: dict[BlockLayout, BlockLayout] = {}
@@ -96,44 +95,45 @@ class BlockSwapEngine:
     def fill_home(self, progress: Callable[[int, int], None] | None = None) -> int:
         """home=ram with a reader: read every block once into its host buffer (parallel
         reads); calls progress(done_bytes, total_bytes). Returns the bytes read."""
-        if self.home != "ram" or self.read_block is None:
+        if not self.homes.every_block or self.read_block is None:
             return 0
         return home.read_homes(self.states, self.pool, self.read_block, progress)
 
+    @property
+    def home(self) -> str:
+        return self.homes.mode
+
     def ram_homes(self, plan: ResidencyPlan, ram_blocks: Iterable[int] | None = None) -> frozenset[int]:
-        """The blocks that hold a host copy while `plan` is attached: every block (ram), none
-        (disk), or for auto the streamed blocks in `ram_blocks` (default: all streamed)."""
-        if self.home == "ram":
-            return frozenset(range(self.num_blocks))
-        if self.home == "disk":
-            return frozenset()
-        streamed = frozenset(plan.streamed)
-        return streamed if ram_blocks is None else streamed & frozenset(ram_blocks)
+        """The blocks that hold a host copy while `plan` is attached (swap.home_policy)."""
+        return self.homes.ram_homes(self.num_blocks, plan, ram_blocks)
 
     def _ensure_home(self, keep: frozenset[int], progress: Callable[[int, int], None] | None = None) -> int:
         """The blocks in `keep` have an exact-size host home holding their weights (home=ram:
         all, from the reader or the modules' own tensors; auto: read back from the file).
         Returns the bytes read from the file."""
-        if self.home == "ram" and self.read_block is None:   # a resident block kept by reattach stays put
+        if self.homes.every_block and self.read_block is None:   # a resident block kept by reattach stays put
             home.capture([s for s in self.states if s.device_buffer is None], self.pool)
             return 0
         return home.read_homes([self.states[i] for i in sorted(keep)], self.pool, self.read_block, progress)
 
     # ----- attach / detach -----------------------------------------------------------
-    def attach(self, device: torch.device | str, plan: ResidencyPlan,
-               pin_memory: str = "auto", owner: object = None, on_land: OnLand | None = None,
-               ram_blocks: Iterable[int] | None = None,
-               progress: Callable[[int, int], None] | None = None, compress: bool = False,
-               may_code: bool = False, resident_work: ResidentWork | None = None) -> ResidencyPlan:
-        """Place `plan`'s resident blocks on `device`, hook the streamed ones and prime the ring.
+    def attach(self, device: torch.device | str, load_plan: LoadPlan, owner: object = None,
+               on_land: OnLand | None = None, progress: Callable[[int, int], None] | None = None,
+               resident_work: ResidentWork | None = None) -> ResidencyPlan:
+        """Attach `load_plan` (swap.load_plan: its residency, RAM homes, coding and pinning) on
+        `device`: place the resident blocks, hook the streamed ones and prime the ring.
         `on_land(block, tensors)` (a LoRA fold) runs on the land stream once a block's bytes are
         in, before it computes; it may return {attr index: tensor} to bind instead, held until
         the slot is refilled (cut from `out=`, the slot's DenseArena, where it has `dense_bytes`).
-        `ram_blocks` (home=auto): the streamed blocks held in RAM. `progress(done, total)` follows
-        file reads. The same settings again only take `owner`.
-        `compress`: coded RAM homes; `may_code`: resident blocks kept at detach are coded.
+        `progress(done, total)` follows file reads. The same settings again only take `owner`.
         `resident_work`: on-land work split for its blocks where they stay resident (dense weights
-        made before each call instead of held: swap/resident_folds.py)."""
+        made before each call instead of held: swap/resident_folds.py). Returns the residency."""
+        return self._attach(device, load_plan.residency, load_plan.pin_memory, owner, on_land, load_plan.ram_blocks,
+                            progress, load_plan.coding.code, load_plan.coding.may_code, resident_work)
+
+    def _attach(self, device: torch.device | str, plan: ResidencyPlan, pin_memory: str, owner: object,
+                on_land: OnLand | None, ram_blocks: Iterable[int] | None, progress: Callable[[int, int], None] | None,
+                compress: bool, may_code: bool, resident_work: ResidentWork | None) -> ResidencyPlan:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -180,7 +180,7 @@ class BlockSwapEngine:
             read_back = placement.place_all(self.states, self.pool, att, placing, read_back, report, self.coding)
             if pinning is not None:
                 pinning.join()
-            home.settle(self.home, self.states, self.pool, att)
+            home.settle(self.homes, self.states, self.pool, att)
             if plan.streamed:
                 self._hook_streamed(att)
             self.att = att
@@ -230,7 +230,7 @@ class BlockSwapEngine:
             return
         try:
             att.copier.synchronize()
-            if self.home == "auto" and capture_bytes > 0 and not writes_blocks(att.on_land):
+            if self.homes.splits_ram and capture_bytes > 0 and not writes_blocks(att.on_land):
                 coding = keep_coder(self.coding, self.coder_factory, att)
                 self.coding = self.coding if coding is None else coding
                 home.capture_resident(self.states, self.pool, att.plan.resident, capture_bytes, coding)
@@ -254,7 +254,7 @@ class BlockSwapEngine:
                 att.ring.release()
             if self.coding is not None:
                 self.coding.release()
-            if self.home == "auto" and unpin:   # a model not on the device holds no pinned memory
+            if self.homes.splits_ram and unpin:   # a model not on the device holds no pinned memory
                 self.pool.unpin_all()
             self.att = None
 
@@ -363,20 +363,20 @@ class BlockSwapEngine:
             log.info(stats.line())
         return stats
 
-    def reattach(self, plan: ResidencyPlan, ram_blocks: Iterable[int] | None = None,
-                 after_oom: bool = True) -> ResidencyPlan:
-        """Mid-run re-plan (a smaller window after running out of memory, or the plan the first
-        calls' rates choose): attach `plan` with the same device, pinning, owner and on-land
-        work (RAM homes: `ram_blocks`, else the same), keeping on the device the resident
-        blocks both plans share and carrying the run's counters over."""
+    def reattach(self, load_plan: LoadPlan, after_oom: bool = True) -> ResidencyPlan:
+        """Mid-run re-plan (a smaller window after running out of memory, the plan the first
+        calls' rates choose, more RAM homes once homes were coded): attach `load_plan`'s residency
+        and RAM homes with the same device, pinning, owner, on-land work and coding, keeping on
+        the device the resident blocks both plans share and carrying the run's counters over."""
         att = self.att
         if att is None:
             raise RuntimeError("reattach needs an attached engine")
+        plan = load_plan.residency
         stats = self._close_stats()
-        device, pin_memory, owner, on_land = att.device, att.pin_memory, att.owner, att.on_land
         self._detach(frozenset(att.plan.resident) & frozenset(plan.resident), unpin=False)
-        self.attach(device, plan, pin_memory, owner, on_land, att.ram_homes if ram_blocks is None else ram_blocks,
-                    compress=att.compress, resident_work=att.resident_work)
+        ram_blocks = att.ram_homes if load_plan.ram_blocks is None else load_plan.ram_blocks
+        self._attach(att.device, plan, att.pin_memory, att.owner, att.on_land, ram_blocks, None,
+                     att.compress, False, att.resident_work)
         self.att.stats = stats.continued(self.att.stats, after_oom)
         return plan
 
@@ -399,6 +399,33 @@ class BlockSwapEngine:
     @property
     def plan(self) -> ResidencyPlan | None:
         return self.att.plan if self.att else None
+
+    @property
+    def attached(self) -> bool:
+        return self.att is not None
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.att.device if self.att else None
+
+    @property
+    def owner(self) -> object:
+        """Whoever attached (the `owner` given to attach, called where it is a weak reference)."""
+        owner = self.att.owner if self.att else None
+        return owner() if callable(owner) else owner
+
+    @property
+    def stats(self) -> RunStats | None:
+        """This run's counters so far, without the device timings (run_stats has those)."""
+        return self.att.stats if self.att else None
+
+    def dense_held_bytes(self, device: torch.device) -> int:
+        """Device bytes of dense weights the on-land work holds while attached on `device`."""
+        return self.att.dense_held_bytes() if self.att is not None and self.att.device == device else 0
+
+    def facts(self) -> EngineFacts:
+        """What this engine knows that a load plan needs (swap.load_plan)."""
+        return engine_facts(self)
 
     @property
     def memory(self) -> str | None:

@@ -148,16 +148,16 @@ def _keep_raw(s, pool: HostPool, chunks: PinnedChunks, room: int) -> int:
     return s.layout.nbytes
 
 
-def settle(kind: str, states: list, pool: HostPool, att) -> None:
+def settle(policy, states: list, pool: HostPool, att) -> None:
     """After an attachment's placement: how its streamed copies leave host memory (page-locking
-    the RAM homes that stream; "disk" where all come from the file), and for home=auto
-    (`kind`) no host copy of a resident block."""
+    the RAM homes that stream; "disk" where all come from the file), and where the home `policy`
+    splits RAM no host copy of a resident block."""
     keep, plan = att.ram_homes, att.plan
     from_ram = [i for i in plan.streamed if i in keep]
     file_streamed = len(from_ram) < len(plan.streamed)
-    att.memory = "disk" if kind == "disk" or (file_streamed and not from_ram) else \
+    att.memory = "disk" if policy.keeps_none or (file_streamed and not from_ram) else \
         copy_memory(states, pool, att.device, from_ram, att.pin_memory)
-    if kind == "auto":
+    if policy.splits_ram:
         for i in set(pool.blocks) | set(pool.coded):
             if i not in keep:
                 pool.drop(i)

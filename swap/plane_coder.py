@@ -11,6 +11,7 @@ entropy coder; nvCOMP does the coding.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -222,3 +223,21 @@ class AnsPlanes:
 
     def decode(self, coded: torch.Tensor, out: torch.Tensor) -> None:
         self.codec.decode(self._array(coded), out=out, decompression_config=self._config(out.numel())[1])
+
+
+ANS_DATA_TYPE = "|u1"   # byte planes; "<f2" codes whole 16-bit words instead (no re-interleave)
+
+
+def ans_coder(device: torch.device) -> AnsPlanes:
+    """The coder a load that may code uses: nvCOMP's ANS on byte planes (its 64 KiB chunks)."""
+    return AnsPlanes(device, data_type=ANS_DATA_TYPE)
+
+
+@functools.lru_cache(maxsize=1)
+def coder_missing() -> str | None:
+    """Why no coder can be used here (the ImportError's words), or None; looked up once."""
+    try:
+        nvcomp_module()
+    except ImportError as e:
+        return str(e)
+    return None

@@ -12,6 +12,21 @@ from dataclasses import dataclass
 from .residency import ResidencyPlan
 
 GB = 1e9
+MARGIN_SHARE = 0.10   # of the RAM to share, for the OS, ComfyUI's other work and the page cache's core
+MARGIN_MIN = 2 * GB
+
+
+def home_ram(budget_gb: float, available: int, held: int, kept_by_comfy: int) -> tuple[int, str]:
+    """(bytes the model's block homes may use, why): the budget when set; else the RAM available
+    now plus the homes the model already holds, less a margin (MARGIN_SHARE of those two, at least
+    MARGIN_MIN) and less what ComfyUI keeps for itself. The margin follows the RAM there is to
+    share, not the machine's size, so a RAM ballast emulates a smaller machine."""
+    if budget_gb > 0:
+        return int(budget_gb * GB), f"ram_budget_gb {budget_gb:g}"
+    margin = max(MARGIN_MIN, MARGIN_SHARE * (available + held))
+    why = (f"{available / GB:.1f} GB available + {held / GB:.1f} GB of its homes - {margin / GB:.1f} GB margin"
+           + (f" - {kept_by_comfy / GB:.1f} GB ComfyUI keeps" if kept_by_comfy else ""))
+    return max(0, int(available + held - margin - kept_by_comfy)), why
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Callable, TypeVar
 import torch
 
 from .engine import BlockSwapEngine
-from .residency import ResidencyPlan
+from .load_plan import LoadPlan
 from .state import OnLand, kept_bytes
 
 log = logging.getLogger("ringswap.recovery")
@@ -53,7 +53,7 @@ def _give_up(engine: BlockSwapEngine, on_change: Callable[[int, int], None], mes
 
 
 def run_call(engine: BlockSwapEngine, call: Callable[[], T],
-             smaller: Callable[[], ResidencyPlan | None],
+             smaller: Callable[[], LoadPlan | None],
              on_change: Callable[[int, int], None], measure_peak: bool = True) -> T:
     """Run one model call on an attached engine; the first of a run measures its activation
     peak with `measure_peak`. On running out of memory: `smaller()` gives
@@ -78,6 +78,7 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
     window, prefetch = att.plan.window, att.plan.prefetch
     where = f"{att.device} at window {window}, prefetch {prefetch}"
     target = smaller()
+    shrunk = target.residency if target is not None else None
     if target is None:
         _give_up(engine, on_change, f"RingSwap: out of memory on {where}, already the smallest plan: {reason}. "
                                     "Use a smaller latent (resolution, frames, batch), a quantized model, or free "
@@ -88,13 +89,13 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
     except torch.OutOfMemoryError as e:
         reason = str(e).splitlines()[0]
         _give_up(engine, on_change, f"RingSwap: out of memory on {where}, and again re-attaching at window "
-                                    f"{target.window}: {reason}")
+                                    f"{shrunk.window}: {reason}")
     if cuda:
         torch.cuda.empty_cache()
     on_change(held, engine.device_bytes())
     log.warning("RingSwap: out of memory on %s (%s); retrying this step at window %d, prefetch %d "
                 "(%.2f GB of blocks on the device instead of %.2f GB)",
-                where, reason, target.window, target.prefetch, engine.device_bytes() / GB, held / GB)
+                where, reason, shrunk.window, shrunk.prefetch, engine.device_bytes() / GB, held / GB)
     engine.begin_call()
     engine.att.stats.calls -= 1   # the same call, retried
     peak = CallPeak(att.device, att.on_land) if cuda else None
@@ -107,5 +108,5 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
     except torch.OutOfMemoryError as e:
         reason = str(e).splitlines()[0] if str(e) else "out of memory"
     _give_up(engine, on_change, f"RingSwap: out of memory on {where}, and again after shrinking to window "
-                                f"{target.window}, prefetch {target.prefetch}: {reason}. Use a smaller latent (resolution, "
+                                f"{shrunk.window}, prefetch {shrunk.prefetch}: {reason}. Use a smaller latent (resolution, "
                                 "frames, batch), a quantized model, or free VRAM held by other programs.")

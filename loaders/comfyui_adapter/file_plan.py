@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import comfy.model_management
 
-from ...swap.window_plan import PlanInputs, WindowPlan, plan_step
+from ...swap.home_policy import home_policy
+from ...swap.load_plan import CallFacts, EngineFacts, LoadPlan, RunFacts, SwapSettings, plan_load
+from ...swap.plane_coder import coder_missing
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_memory, comfy_sampling
-from . import compress_choice, gguf_file
+from . import gguf_file
 from .block_lists import ALL_NAMES, find_block_lists, nonblock_bytes
-from .run_plan import tokens
+from .run_facts import tokens
 from .skeleton import build_skeleton
 
 GB = 1e9
@@ -80,23 +82,25 @@ def free_for_run(device) -> int:
 
 def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: int = 1, window: int = 0,
                   prefetch: int = 1, vram_budget_gb: float = 0.0, conds: int = 1, home: str = "auto",
-                  compress: str = "auto") -> WindowPlan:
-    """The plan of a RingSwap Model Loader run of `path` at this size with `conds` conds a step
-    (cond + uncond: 2), batched or not as a run would (raises NotEnoughVRAM with the numbers);
-    `home` and `compress` as on the node (the decode scratch where it may code)."""
+                  compress: str = "auto") -> LoadPlan:
+    """swap.load_plan's plan for a RingSwap Model Loader run of `path` at this size with `conds`
+    conds a step (cond + uncond: 2), as a first load would get it (raises NotEnoughVRAM with the
+    numbers); `home` and `compress` as on the node."""
     facts = file_facts(path)
     shape = latent_shape(facts.model, width, height, frames, batch)
     device = comfy.model_management.get_torch_device()
-    everything = device.type == "cpu" and not vram_budget_gb and not window
-    free, reserve = free_for_run(device), comfy_memory.reserved_vram()
+    policy = home_policy(home)
+    reserve = comfy_memory.reserved_vram()
 
-    def inputs(per_call: int) -> PlanInputs:
-        call = [shape[0] * per_call] + list(shape[1:])
-        return PlanInputs(
-            block_sizes=facts.block_sizes, free_bytes=free,
-            nonblock_bytes=facts.nonblock_bytes + compress_choice.scratch_bytes(compress, device, home, own_load=True),
-            reserve_bytes=reserve, activation_bytes=int(facts.model.memory_required(call)),
-            activation_source="ComfyUI's estimate", budget_bytes=int(vram_budget_gb * GB),
-            window=len(facts.block_sizes) if everything else window, prefetch=prefetch, device=str(device),
-            tokens=tokens(facts.model.diffusion_model, tuple(call)), conds_per_step=conds, conds_per_call=per_call)
-    return plan_step(inputs(conds), inputs(1))
+    def call(per_call: int) -> CallFacts:
+        call_shape = tuple([shape[0] * per_call] + list(shape[1:]))
+        return CallFacts(activation_bytes=int(facts.model.memory_required(list(call_shape))),
+                         activation_source="ComfyUI's estimate", reserve_bytes=reserve,
+                         tokens=tokens(facts.model.diffusion_model, call_shape))
+    engine = EngineFacts(block_sizes=facts.block_sizes, every_home_in_ram=policy.every_block,
+                         splits_ram=policy.splits_ram, own_load=True)
+    run = RunFacts(device=str(device), free_bytes=free_for_run(device), nonblock_bytes=facts.nonblock_bytes,
+                   batched=call(conds), single=call(1), conds_per_step=conds, all_asked=device.type == "cpu",
+                   coder_missing=coder_missing(), ram_available=comfy_memory.ram_available(),
+                   ram_kept_by_comfy=comfy_memory.ram_kept_by_comfy())
+    return plan_load(engine, run, SwapSettings(window, prefetch, vram_budget_gb=vram_budget_gb, compress=compress))

@@ -80,7 +80,7 @@ class LiveFeed:
         if self.started is None:
             self.started = now
         sids = self.clients()
-        if not sids or self.engine.att is None:
+        if not sids or not self.engine.attached:
             return
         if self._lookup is not None and (step := self._lookup.step()) is not None:
             self.step = step

@@ -12,34 +12,19 @@ One character per block keeps a 200-block model's message at a few hundred bytes
 from __future__ import annotations
 
 from ...swap import BlockSwapEngine
-from ...swap.window_plan import WindowPlan
+from ...swap.facts import PLACES, live_view
+from ...swap.load_plan import LoadPlan
 from ...swap.stats import RunStats
 
-CODES = {"G": "resident on the GPU", "R": "in a ring slot", "C": "copying", "H": "at home in RAM",
-         "D": "on disk"}
+CODES = PLACES
 SCHEMA_VERSION = 1
 RUN_EVENT = "ringswap.run"
 
 
-def _copy_done(slot) -> bool:
-    if slot.reading:
-        return False
-    ready = slot.ready
-    return ready is None or bool(ready.query())
-
-
 def block_map(engine: BlockSwapEngine) -> str:
     """The state code of every block of an attached engine ("" when detached)."""
-    att = engine.att
-    if att is None:
-        return ""
-    codes = ["H" if engine.pool.has(i) else "D" for i in range(engine.num_blocks)]
-    for i in att.plan.resident:
-        codes[i] = "G"
-    for slot in att.ring.slots if att.ring is not None else ():
-        if slot.owner is not None:
-            codes[slot.owner] = "R" if _copy_done(slot) else "C"
-    return "".join(codes)
+    view = live_view(engine)
+    return view.places if view is not None else ""
 
 
 def live_payload(engine: BlockSwapEngine, node: str | None, step: int, steps: int, elapsed_s: float) -> dict:
@@ -50,18 +35,17 @@ def live_payload(engine: BlockSwapEngine, node: str | None, step: int, steps: in
     (the block computing, -1 between blocks), window, prefetch, ring_slots, resident,
     streamed, home, step, steps, calls, forwards, copies, bytes_copied, unplanned, elapsed_s.
     """
-    att = engine.att
-    plan, stats = att.plan, att.stats
-    current = next((s.index for s in engine.states if s.slot is not None), -1)
-    return {"v": SCHEMA_VERSION, "node": node, "blocks": engine.num_blocks, "states": block_map(engine),
-            "current": current, "window": plan.window, "prefetch": plan.prefetch, "ring_slots": plan.ring_slots,
-            "resident": len(plan.resident), "streamed": len(plan.streamed), "home": engine.home,
+    view = live_view(engine)
+    plan, stats = view.plan, view.stats
+    return {"v": SCHEMA_VERSION, "node": node, "blocks": engine.num_blocks, "states": view.places,
+            "current": view.current, "window": plan.window, "prefetch": plan.prefetch, "ring_slots": plan.ring_slots,
+            "resident": len(plan.resident), "streamed": len(plan.streamed), "home": view.home,
             "step": step, "steps": steps, "calls": stats.calls, "forwards": stats.forwards,
             "copies": stats.copies, "bytes_copied": stats.bytes_copied, "unplanned": stats.unplanned,
             "elapsed_s": round(elapsed_s, 3)}
 
 
-def run_payload(stats: RunStats, plan: WindowPlan | None, node: str | None, wall_s: float, steps: int,
+def run_payload(stats: RunStats, plan: LoadPlan | None, node: str | None, wall_s: float, steps: int,
                 live: int) -> dict:
     """The `ringswap.run` message (web/ringswap.js): the run's engine stats, the plan it ran, seconds
     since its first model call, its steps and the live messages sent."""

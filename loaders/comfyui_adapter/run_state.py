@@ -1,6 +1,5 @@
 """Where a model's swap run keeps its state: a `RunState` on each SwapModelPatcher (its own
-plan, request and fold) and the `SwapState` on the diffusion model (shared by all
-patchers of that model, as `ringswap_state`)."""
+plan, request and fold). The state all patchers of one model share is swap_state.SwapState."""
 from __future__ import annotations
 
 import uuid
@@ -8,21 +7,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 if TYPE_CHECKING:
     from ...lora.fold import BlockFolder
-    from ...swap.window_plan import WindowPlan
-    from .run_plan import RunRequest
-    from .swap_state import SwapState
+    from ...swap.load_plan import LoadPlan
+    from .run_facts import RunRequest
 
 
 @dataclass
 class RunState:
     """One patcher's sampling run. A clone starts with a fresh one (ComfyUI builds it anew)."""
 
-    plan: WindowPlan | None = None
-    """The plan of the current load (shrunk after out-of-memory, re-planned by rates)."""
+    plan: LoadPlan | None = None
+    """The plan of the current load (shrunk after out-of-memory, re-planned by rates): the only copy."""
     request: RunRequest | None = None
     """What the current sampling run asks of the model (set by PREPARE_SAMPLING)."""
     folder_key: tuple[uuid.UUID, torch.device, bool] | None = None
@@ -34,10 +31,3 @@ class RunState:
     plan did not fit (lora/fold.py block_folder's `dense_on_land`)."""
     reloading: bool = False
     """ComfyUI is loading this patcher again (is_clone(self)): its next detach keeps the blocks."""
-
-
-def swap_state_on(diffusion_model: nn.Module) -> SwapState | None:
-    """The SwapState installed on `diffusion_model` itself, or None. Read from the module's
-    own attributes, not getattr: a wrapper module that forwards attribute reads (torch.compile's
-    OptimizedModule, swapped in by ComfyUI's compile wrapper during a model call) has none."""
-    return vars(diffusion_model).get("ringswap_state")

@@ -1,11 +1,29 @@
 """SwapModelPatcher: a ComfyUI ModelPatcher whose transformer blocks stream.
 
-ComfyUI's loader keeps managing everything but the blocks: `_load_list` leaves the
-block modules out, so ComfyUI never moves or patches their weights; `load` attaches
-the swap engine (resident blocks + GPU slot ring) and reports its true VRAM to
-ComfyUI's memory accounting; unloading, or another patcher of the model loading, frees
-the ring, while loading the same patcher again (every sampling run) keeps its blocks. The
-engine lives on the diffusion model (shared by all clones), the settings on each patcher.
+ComfyUI's loader keeps managing everything but the blocks; the swap engine (resident blocks +
+GPU slot ring) lives on the diffusion model (shared by all clones), the settings on each patcher.
+Every load is decided by swap.load_plan.plan_load from the engine's facts and ComfyUI's numbers.
+
+| override | why |
+| --- | --- |
+| `clone` | carries the settings, the Patch's base and the node id to ComfyUI's clones |
+| `_load_list` | leaves the block modules out, so ComfyUI never moves or patches their weights |
+| `load` | plans the load, attaches the engine (LoRA folded as blocks land) and reports its VRAM |
+| `model_size` | non-block weights plus the plan's block bytes, not the whole model |
+| `partially_load` | keeps the last run's blocks where the plan allows; else detaches and loads |
+| `partially_unload` | frees the ring and resident blocks before ComfyUI unloads anything else |
+| `detach` | gives the blocks back, unless this patcher is the one loading again (`is_clone`) |
+| `is_clone` | notes that ComfyUI is loading this same patcher again (its detach keeps the blocks) |
+| `unpatch_model` | detaches the engine and drops the fold and GGUF patches hung on weights |
+| `patch_weight_to_device` | GGUF: hangs patches on quantized non-block weights, as ComfyUI-GGUF does |
+| `get_free_memory` | calc_cond_batch's free memory follows the plan's batched-or-not choice |
+| `cleanup` | ends the run: stats for the next plan, the summary line and the browser's message |
+
+Hand edits of ComfyUI's accounting: `wrap` sets `size` to 0 and a fresh `patches_uuid` (another
+patcher's weights are fully unloaded first); `load` sets `model_loaded_weight_memory` to
+`model_size()` (or adds the engine's bytes in lowvram); releasing the engine subtracts what it
+freed and sets `model_lowvram` so the next load attaches again; an out-of-memory shrink or a
+re-plan changes it by the difference (sampling.py).
 """
 from __future__ import annotations
 
@@ -14,7 +32,6 @@ import sys
 import time
 import uuid
 import weakref
-from dataclasses import dataclass
 
 import torch
 
@@ -22,44 +39,22 @@ import comfy.model_management
 import comfy.model_patcher
 
 from ...lora.fold import BlockFolder, block_folder
-from ...swap import PIN_MODES, BlockSwapEngine, ResidencyPlan
+from ...swap import BlockSwapEngine, ResidencyPlan
 from ...swap.host_pool import set_pin_budget
 from ...swap.page_out import mapped_tensors, page_out_moved
-from ...swap.window_plan import NotEnoughVRAM, keep_attached
+from ...swap.load_plan import CODED, KEEP, LOAD, LoadPlan, NotEnoughVRAM, SwapSettings, kept_at_unload, plan_load
+from ...swap.plane_coder import ans_coder
 from . import comfy_memory, comfy_models, comfy_server
-from . import compress_choice, gguf_tensors, live_feed, ram_room, run_plan
+from . import gguf_tensors, live_feed, run_facts, sampling
 from .live_payload import RUN_EVENT, run_payload
 from .run_state import RunState
 from .swap_state import SwapState
 
-log = logging.getLogger("ringswap.patcher")
+log = logging.getLogger("ringswap.swap_patcher")
+_said: set[str] = set()   # notes already logged (one line each per process)
 
 if comfy_memory.ComfyPinBudget.available():   # RingSwap's pins count in ComfyUI's pin budget
     set_pin_budget(comfy_memory.ComfyPinBudget())
-
-
-@dataclass(frozen=True)
-class SwapSettings:
-    window: int          # blocks kept on the device; 0 = planned for each run (swap.window_plan)
-    prefetch: int = 1
-    pin_memory: str = "auto"
-    vram_budget_gb: float = 0.0   # VRAM this model may use in all (weights + activations); 0 = what is free
-    ram_budget_gb: float = 0.0    # home=auto: host RAM for block homes; 0 = what is available (loaders/comfyui_adapter/ram_room.py)
-    compress: str = "auto"        # streamed RAM homes kept coded (loaders/comfyui_adapter/compress_choice.py)
-
-    def __post_init__(self):
-        if self.window < 0:
-            raise ValueError(f"RingSwap: window must be 0 (automatic) or a number of blocks, got {self.window}")
-        if self.prefetch < 0:
-            raise ValueError(f"RingSwap: prefetch must be 0 or more, got {self.prefetch}")
-        if not self.vram_budget_gb >= 0:
-            raise ValueError(f"RingSwap: vram_budget_gb must be 0 (what is free) or more, got {self.vram_budget_gb}")
-        if not self.ram_budget_gb >= 0:
-            raise ValueError(f"RingSwap: ram_budget_gb must be 0 (what is available) or more, got {self.ram_budget_gb}")
-        if self.pin_memory not in PIN_MODES:
-            raise ValueError(f"RingSwap: pin_memory must be one of {PIN_MODES}, got {self.pin_memory!r}")
-        if self.compress not in compress_choice.COMPRESS_MODES:
-            raise ValueError(f"RingSwap: compress must be one of {compress_choice.COMPRESS_MODES}, got {self.compress!r}")
 
 
 class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
@@ -95,7 +90,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         n.size = 0
         n.ringswap = settings
         n.ringswap_node = None if node is None else str(node)
-        run_plan.install(n)
+        sampling.install(n)
         # Our own weight state: ComfyUI then fully unloads whatever another patcher of
         # the same model left on the GPU before loading this one (partially_load).
         n.patches_uuid = uuid.uuid4()
@@ -141,7 +136,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         most one model's ring is on the GPU. Returns how many were unloaded."""
         loaded = comfy.model_management.current_loaded_models
         others = [lm for lm in loaded if isinstance(lm.model, SwapModelPatcher) and lm.model.model is not self.model
-                  and lm.model.swap_engine.att is not None]
+                  and lm.model.swap_engine.attached]
         for lm in others:
             loaded.remove(lm)
             lm.model_unload()
@@ -154,24 +149,17 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         switched = self._unload_other_rings()
         device = self._device(device_to)
         engine = self.swap_engine
-        plan = run_plan.plan_for_load(self, device, full_load)
-        run.plan = plan
-        split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
-        ram_blocks = split.ram_blocks if split is not None else None
-        compress, why = self._compress_for(plan, device, split)
-        may_code = compress_choice.may_code(self.ringswap.compress, device, engine.read_block is not None)
-        if may_code:
-            engine.coder_factory = compress_choice.coder_factory
+        plan = run.plan = self._plan(device, full_load)
+        if plan.coding.may_code:
+            engine.coder_factory = ans_coder
         folder = self.block_folder_on(device)
-        engine.attach(device, plan.residency, self.ringswap.pin_memory,
-                      owner=weakref.ref(self), on_land=folder, ram_blocks=ram_blocks,
-                      progress=live_feed.progress_bar(), compress=compress, may_code=may_code,
-                      resident_work=folder.resident_work() if folder is not None and plan.inputs.dense_per_call
+        engine.attach(device, plan, owner=weakref.ref(self), on_land=folder, progress=live_feed.progress_bar(),
+                      resident_work=folder.resident_work() if folder is not None and plan.window.inputs.dense_per_call
                       else None)
-        if compress and split is not None and split.file_blocks:   # coded homes left room for more
-            split = ram_room.split_for(engine, plan.residency, self.ringswap.ram_budget_gb)
-            if len(split.ram_blocks) > len(ram_blocks):
-                engine.reattach(plan.residency, split.ram_blocks, after_oom=False)
+        resplit = plan_load(engine.facts(), run_facts.gather(self, device, full_load, CODED), self.ringswap, plan)
+        if resplit is not None:   # coded homes left RAM for more blocks
+            engine.reattach(resplit, after_oom=False)
+            plan = run.plan = resplit
         live_feed.observe(engine, self.ringswap_node)
         mapped = mapped_tensors(self.model)   # non-block weights still views of the file's map (.gguf)
         # GGUF: the pack's layers never read lowvram weight functions, so its patches are always
@@ -187,43 +175,28 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self.model.model_loaded_weight_memory = self.model_size()
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
-        read, read_s = engine.read_back
-        dense = max((folder.dense_bytes(i) for i in range(engine.num_blocks)), default=0) if folder else 0
-        pairs = folder.pair_bytes(device) if folder else 0
-        coding = compress_choice.line(engine, why, plan.residency.streamed, plan.inputs.calls_per_step)
-        log.info("%s; %s memory, %.2f GB at home%s%s%s%s%s; placed in %.2f s%s%s", plan.line(), engine.memory,
-                 engine.pool.nbytes / 1e9, f"; {split.line()}" if split is not None else "",
-                 f"; {given_back / 1e9:.2f} GB of the file's pages given back" if given_back else "",
-                 f"; {coding}" if coding else "",
-                 f"; LoRA pairs: {pairs / 1e9:.2f} GB kept on the device (planned as non-block)" if pairs else "",
-                 f"; GGUF dense weights: {dense / 1e9:.2f} GB a block on the device (planned"
-                 f"{', made before each call where resident' if plan.inputs.dense_per_call else ''})"
-                 if dense else "", time.perf_counter() - t0,
-                 f" (read {read / 1e9:.2f} GB from the file in {read_s:.2f} s)" if read else "",
-                 " (switched from another block-swapped model)" if switched else "")
+        log.info(_load_line(plan, engine.facts(), folder, device, given_back, time.perf_counter() - t0, switched))
 
-    def _compress_for(self, plan, device: torch.device, split) -> tuple[bool, str]:
-        """compress_choice.choose for `plan` on `device` with RAM split `split`: (code the streamed
-        RAM homes?, why)."""
+    def _plan(self, device: torch.device, full_load: bool, change: str = LOAD, **extra) -> LoadPlan:
+        """swap.load_plan's plan for this load; where the GGUF weights made dense on landing do not
+        fit, the plan with them kept packed in their layers."""
+        run = self.ringswap_run
+        run.packed_only = False
         engine = self.swap_engine
-        ram_blocks = split.ram_blocks if split is not None else None
-        return compress_choice.choose(self.ringswap.compress, device, plan, split,
-                                      bool(engine.ram_homes(plan.residency, ram_blocks) & set(plan.residency.streamed)),
-                                      own_load=engine.read_block is not None, coding=engine.coding,
-                                      whole_short=ram_room.short_of_whole(engine, self.ringswap.ram_budget_gb))
-
-    def _codes_now(self, plan, device: torch.device) -> bool:
-        """Whether a load of `plan` would code the streamed homes the attachment holds raw (auto: the
-        last run's rates make it copy-bound enough); the blocks are then placed again through `load`.
-        Coded homes stay coded, so only this direction places again."""
-        engine = self.swap_engine
-        if engine.att.compress or (engine.coding is not None and engine.coding.pays is False):
-            return False
-        code, why = self._compress_for(plan, device, ram_room.split_for(engine, plan.residency,
-                                                                         self.ringswap.ram_budget_gb))
-        if code:
-            log.info("RingSwap %s: placing the blocks again to code their homes", why)
-        return code
+        try:
+            plan = plan_load(engine.facts(), run_facts.gather(self, device, full_load, change, **extra), self.ringswap)
+        except NotEnoughVRAM as e:
+            folder = self.block_folder_on(device)
+            if folder is None or not folder.dense_unpatched:
+                raise
+            run.packed_only = True
+            plan = plan_load(engine.facts(), run_facts.gather(self, device, full_load, change, **extra), self.ringswap)
+            log.info("RingSwap: GGUF weights made dense on landing do not fit (%s); they stay packed in "
+                     "their layers for this load", str(e).splitlines()[0])
+        if plan.coding.note and plan.coding.note not in _said:
+            _said.add(plan.coding.note)
+            log.info(plan.coding.note)
+        return plan
 
     def _device(self, device_to) -> torch.device:
         device = torch.device(device_to) if device_to is not None else self.load_device
@@ -263,8 +236,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
 
     # ----- unloading -------------------------------------------------------------------
     def _owns_engine(self) -> bool:
-        att = self.swap_engine.att
-        return att is not None and att.owner() is self
+        return self.swap_engine.owner is self
 
     def _release_engine(self) -> int:
         """Detach the engine if this patcher attached it (frees ring and resident blocks);
@@ -275,7 +247,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         if sys.is_finalizing() or not self._owns_engine():
             return 0
         freed = engine.device_bytes()
-        engine.detach(ram_room.capture_room(engine, self.ringswap.ram_budget_gb))
+        engine.detach(kept_at_unload(engine.facts(), run_facts.gather(self, engine.device), self.ringswap))
         self._release_folder()
         if self.model.model_loaded_weight_memory > 0:
             self.model.model_loaded_weight_memory = max(0, self.model.model_loaded_weight_memory - freed)
@@ -333,35 +305,33 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self.load(device_to, lowvram_model_memory=used, force_patch_weights=kwargs.get(
                 "force_patch_weights", args[0] if args else False))
             return out + self.model.model_loaded_weight_memory - used
-        plan, fresh = plans
-        self.ringswap_run.plan = plan
+        self.ringswap_run.plan = plans
         out = super().partially_load(device_to, max(0, extra_memory), *args, **kwargs)
         engine = self.swap_engine
-        why = ("" if fresh is plan else f" (window {fresh.window} would fit; the copies hide already)"
+        plan, fresh = plans.window, plans.fresh
+        why = ("" if fresh == plan else f" (window {fresh.window} would fit; the copies hide already)"
                if fresh.window > plan.window else f" (it ran this size last time with no more memory than "
                f"now; the planner's numbers give window {fresh.window})")
         log.info("%s; %s memory, %.2f GB at home; kept on the device from the last run%s", plan.line(),
-                 engine.memory, engine.pool.nbytes / 1e9, why)
+                 engine.facts().memory, engine.facts().homes_held / 1e9, why)
         return out
 
-    def _plans_to_keep(self, device_to, extra_memory: float):
-        """(the plan to run with, this run's own plan) when the attached blocks can stay (same
-        device and weight patches, the model fully loaded but for the blocks, and the planner
-        keeps the attached residency: swap.window_plan.keep_attached), else None."""
-        att = self.swap_engine.att
+    def _plans_to_keep(self, device_to, extra_memory: float) -> LoadPlan | None:
+        """The plan keeping the attached blocks (same device and weight patches, the model fully
+        loaded but for the blocks, and swap.load_plan keeps the attached residency), else None."""
+        engine = self.swap_engine
         device = self._device(device_to)
-        if att.device != device or self.model.model_lowvram or \
+        if engine.device != device or self.model.model_lowvram or \
                 self.model.current_weight_patches_uuid != self.patches_uuid:
             return None
         full = self.model.model_loaded_weight_memory + extra_memory > self._size_before_attach()
         try:
-            fresh = run_plan.plan_for_load(self, device, full)
+            plan = self._plan(device, full, KEEP, ran_here=run_facts.ran_here(self, device, engine.plan))
         except NotEnoughVRAM:   # load() plans again and fails with the message
             return None
-        kept = keep_attached(fresh, att.plan, run_plan.ran_here(self, device, att.plan, fresh.inputs.conds_per_call))
-        if kept is None or self._codes_now(fresh, device):
-            return None
-        return kept, fresh
+        if plan.note:
+            log.info(plan.note)
+        return plan if plan.keeps else None
 
     def partially_unload(self, device_to, memory_to_free=0, *args, **kwargs):
         freed = self._release_engine()
@@ -372,12 +342,13 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     # ----- sampling runs ---------------------------------------------------------------
     def get_free_memory(self, device):
         """What ComfyUI's calc_cond_batch counts on for the step's conds: the plan decided
-        whether they run batched (run_plan.free_for_batching)."""
-        return run_plan.free_for_batching(self, comfy_memory.patcher_free_memory(self, device))
+        whether they run batched (sampling.free_for_batching)."""
+        return sampling.free_for_batching(self, comfy_memory.patcher_free_memory(self, device))
 
     def cleanup(self, *args, **kwargs):
-        stats = self.swap_engine.end_run()
-        run_plan.record_run(self, stats)
+        engine = self.swap_engine
+        stats = engine.end_run()
+        run_facts.record_run(self, stats, engine.plan, engine.device)
         feed = live_feed.feed_of(self.swap_engine)
         if stats is not None:
             _publish(stats, self.ringswap_run.plan, self.ringswap_node,
@@ -390,9 +361,26 @@ def _publish(stats, plan, node: str | None, run: tuple[float, int, int]) -> None
     server is running. `run`: (seconds since the first model call, steps, live messages sent)."""
     wall_s, steps, live = run
     if steps:
-        planned = f" (planned {plan.inputs.calls_per_step})" if plan is not None else ""
+        planned = f" (planned {plan.window.inputs.calls_per_step})" if plan is not None else ""
         log.info("RingSwap steps: %d in %.2f s, %.3f s/step, %.2f model calls a step%s%s", steps, wall_s,
                  wall_s / steps, stats.calls / steps, planned,
                  f"; {live} live block maps sent to the browser" if live else "")
     if comfy_server.prompt_server() is not None:
         comfy_server.send_to_client(RUN_EVENT, run_payload(stats, plan, node, wall_s, steps, live))
+
+
+def _load_line(plan: LoadPlan, facts, folder: BlockFolder | None, device: torch.device, given_back: int,
+               seconds: float, switched: int) -> str:
+    """The load's plan line: the plan's (swap.load_plan), then what the attach did."""
+    streamed = plan.residency.streamed
+    dense = max((folder.dense_bytes(i) for i in range(len(facts.block_sizes))), default=0) if folder else 0
+    pairs = folder.pair_bytes(device) if folder else 0
+    read, read_s = facts.read_back
+    per_call = ", made before each call where resident" if plan.window.inputs.dense_per_call else ""
+    return (plan.line(facts.coding_line(plan.coding.why, streamed, plan.window.inputs.calls_per_step))
+            + f"; {facts.memory} memory, {facts.homes_held / 1e9:.2f} GB at home"
+            + (f"; {given_back / 1e9:.2f} GB of the file's pages given back" if given_back else "")
+            + (f"; LoRA pairs: {pairs / 1e9:.2f} GB kept on the device (planned as non-block)" if pairs else "")
+            + (f"; GGUF dense weights: {dense / 1e9:.2f} GB a block on the device (planned{per_call})" if dense else "")
+            + f"; placed in {seconds:.2f} s" + (f" (read {read / 1e9:.2f} GB from the file in {read_s:.2f} s)" if read else "")
+            + (" (switched from another block-swapped model)" if switched else ""))

@@ -15,7 +15,6 @@ from ...swap import BlockSwapEngine
 from ...swap.layout import BlockLayout, codec_for
 from . import gguf_tensors
 from .block_lists import find_block_lists, interleaved, nonblock_bytes
-from .run_state import swap_state_on
 
 log = logging.getLogger("ringswap.swap_state")
 
@@ -36,7 +35,7 @@ class SwapState:
         _refuse_unknown_tensors(lists)
         self.engine = engine or BlockSwapEngine([b for _, blocks in lists for b in blocks])
         self.engine.in_order = not interleaved(self.list_names)
-        self.measured: dict = {}   # (latent shape, conds a call) -> run_plan.Measured (activation peak, compute time)
+        self.measured: dict = {}   # (latent shape, conds a call) -> run_facts.Measured (activation peak, compute time)
         self.nonblock_bytes = nonblock_bytes(diffusion_model, self.list_names)
 
         _warn_unlisted(diffusion_model, self.list_names)
@@ -97,3 +96,10 @@ def _warn_unlisted(diffusion_model: nn.Module, listed: list[str]) -> None:
         if isinstance(child, nn.ModuleList) and name not in listed and total and nbytes(child) >= total / 10:
             log.warning("RingSwap: %s.%s (%d modules, %.2f GB) is not a block list RingSwap swaps; it stays "
                         "on the GPU", type(diffusion_model).__name__, name, len(child), nbytes(child) / 1e9)
+
+
+def swap_state_on(diffusion_model: nn.Module) -> "SwapState | None":
+    """The SwapState installed on `diffusion_model` itself, or None. Read from the module's
+    own attributes, not getattr: a wrapper module that forwards attribute reads (torch.compile's
+    OptimizedModule, swapped in by ComfyUI's compile wrapper during a model call) has none."""
+    return vars(diffusion_model).get("ringswap_state")

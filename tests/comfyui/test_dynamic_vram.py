@@ -16,7 +16,7 @@ import comfy.utils
 from conftest import DYNAMIC_VRAM
 from ringswap.loaders.comfyui_adapter import comfy_models
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.loaders.comfyui_adapter.run_state import swap_state_on
+from ringswap.loaders.comfyui_adapter.swap_state import swap_state_on
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
 from ringswap.nodes.patch import RingSwapPatch
 from support.lora_files import build_lora

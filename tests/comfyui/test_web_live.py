@@ -15,6 +15,8 @@ from ringswap.loaders.comfyui_adapter import live_feed
 from ringswap.loaders.comfyui_adapter.live_payload import CODES, block_map, live_payload
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 
+from support.engine_plans import load_plan
+
 BLOCKS = 200
 
 
@@ -23,7 +25,7 @@ def engine():
     torch.manual_seed(0)
     blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(BLOCKS)])
     e = BlockSwapEngine(list(blocks))
-    e.attach("cpu", ResidencyPlan.make(e.num_blocks, 20, 2))
+    e.attach("cpu", load_plan(ResidencyPlan.make(e.num_blocks, 20, 2)))
     e.modules = blocks
     yield e
     e.release_home()

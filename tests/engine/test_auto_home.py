@@ -6,7 +6,7 @@ import torch
 
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 
-from toy_blocks import N, FileLike, make_blocks, run
+from toy_blocks import N, FileLike, load_plan, make_blocks, run
 
 X = torch.randn(4, 32)
 
@@ -19,7 +19,7 @@ def test_resident_blocks_read_from_the_file_are_read_ahead_while_placing():
     ref = run(blocks, X)
     src = FileLike(blocks, delay=0.02)
     engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
-    engine.attach("cpu", ResidencyPlan.make(N, N, 1))   # every block resident: all read while placing
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, N, 1)))   # every block resident: all read while placing
     assert engine.read_back[0] == N * engine.states[0].layout.nbytes
     assert src.most_in_flight == 2, src.most_in_flight
     assert torch.equal(run(blocks, X), ref)
@@ -41,7 +41,7 @@ def test_auto_home_holds_only_the_streamed_blocks_it_is_given(share):
             plan = ResidencyPlan.make(N, window, prefetch)
             ram = {"none": [], "alternate": list(plan.streamed[::2]), "all": None}[share]
             reads = src.reads   # before attach: it primes the ring (reads counted when they land)
-            engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, window, prefetch), ram_blocks=ram)
+            engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, window, prefetch), ram_blocks=ram))
             want_ram = set(plan.streamed) if ram is None else set(ram)
             assert set(engine.pool.blocks) == want_ram, (window, prefetch)
             assert engine.att.ram_homes == want_ram
@@ -60,30 +60,30 @@ def test_auto_home_holds_only_the_streamed_blocks_it_is_given(share):
                 assert on_host == (i in want_ram), i
     # the plan shrinks: blocks resident before come back from the file (or RAM where they have a home)
     engine.release_home()
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, N, 1))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, N, 1)))
     assert engine.read_back[0] == N * engine.states[0].layout.nbytes and not engine.pool.blocks
     engine.detach()
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), ram_blocks=[])
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 3, 1), ram_blocks=[]))
     assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
     seen = []
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), progress=lambda done, total: seen.append((done, total)))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 3, 1)), progress=lambda done, total: seen.append((done, total)))
     nbytes = (2 + 5) * engine.states[0].layout.nbytes   # streamed blocks now get RAM homes: read back once
     assert engine.read_back[0] == nbytes
     assert seen and seen[-1] == (nbytes, nbytes) and all(t == nbytes for _, t in seen), seen
     assert [d for d, _ in seen] == sorted(d for d, _ in seen), "progress went back"
     engine.detach()
     seen.clear()
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), progress=lambda done, total: seen.append((done, total)))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 3, 1)), progress=lambda done, total: seen.append((done, total)))
     assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes and seen[-1][0] == seen[-1][1]
     engine.detach()
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 3, 1)))
     seen.clear()
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), progress=lambda done, total: seen.append((done, total)))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 3, 1)), progress=lambda done, total: seen.append((done, total)))
     assert not seen, "the same attachment again reads nothing and reports nothing"
     engine.detach()
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 3, 1), ram_blocks=[])   # same plan, homes dropped: only the resident read
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 3, 1), ram_blocks=[]))   # same plan, homes dropped: only the resident read
     assert engine.read_back[0] == 2 * engine.states[0].layout.nbytes and not engine.pool.blocks
     engine.detach()
 
@@ -97,10 +97,10 @@ def test_auto_home_read_failure_leaves_nothing_half_loaded():
     engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
     src.broken = True
     with pytest.raises(OSError, match="file ended early"):
-        engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
+        engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 2, 1)))
     assert not engine.pool.blocks and engine.att is None
     src.broken = False
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 2, 1)))
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
 
@@ -118,23 +118,23 @@ def test_auto_home_keeps_resident_blocks_in_ram_as_far_as_given(room_blocks):
     engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2)
     plan = ResidencyPlan.make(N, 4, 1)
     size = engine.states[0].layout.nbytes
-    engine.attach("cpu", plan)
+    engine.attach("cpu", load_plan(plan))
     engine.detach(capture_bytes=room_blocks * size)
     kept = sorted(set(engine.pool.blocks) - set(plan.streamed))
     assert kept == list(plan.resident[:min(room_blocks, len(plan.resident))])
     if room_blocks == N:   # every block has a home again: the detached model computes from RAM
         assert torch.equal(run(blocks, X), ref)
     reads = src.reads
-    engine.attach("cpu", plan)
+    engine.attach("cpu", load_plan(plan))
     assert src.reads - reads == len(plan.resident) - len(kept)
     assert sorted(engine.pool.blocks) == sorted(plan.streamed)
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
-    engine.attach("cpu", plan, on_land=lambda block, tensors: None)
+    engine.attach("cpu", load_plan(plan), on_land=lambda block, tensors: None)
     engine.detach(capture_bytes=N * size)
     assert sorted(engine.pool.blocks) == sorted(plan.streamed)
     replaces = ReplacesOnly()   # on-land work that only hands back new tensors keeps them again
-    engine.attach("cpu", plan, on_land=replaces)
+    engine.attach("cpu", load_plan(plan), on_land=replaces)
     engine.detach(capture_bytes=N * size)
     assert sorted(engine.pool.blocks) == list(range(N)) and replaces.calls
     assert torch.equal(run(blocks, X), ref), "the kept homes hold the placed weights"
@@ -167,7 +167,7 @@ def test_auto_home_pins_its_streamed_homes_while_placing_on_cuda():
     plan = ResidencyPlan.make(N, 3, 1)
     streamed = sum(engine.states[i].layout.nbytes for i in plan.streamed)
     for _ in range(2):
-        engine.attach(dev, plan)
+        engine.attach(dev, load_plan(plan))
         assert engine.memory == "pinned" and engine.pool.pinned_bytes >= streamed
         assert torch.equal(run(blocks, x), want)
         engine.detach()
@@ -215,7 +215,7 @@ def test_capture_from_a_file_mapping_gives_its_pages_back(tmp_path, monkeypatch,
     maps = po.FileMaps() if page_out else po.FileMaps(ranges=[])
     from ringswap.swap import home
     monkeypatch.setattr(home, "FileMaps", lambda: maps)   # the capture's file mappings: these
-    engine.attach("cpu", ResidencyPlan.make(N, 2, 1))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1)))
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
     assert torch.equal(run(blocks, X), ref)

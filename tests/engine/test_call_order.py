@@ -11,7 +11,7 @@ from torch import nn
 
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 from ringswap.swap.call_order import CallOrder
-from toy_blocks import Block, FileLike
+from toy_blocks import Block, FileLike, load_plan
 
 MAIN, SIDE = 6, 2
 AFTER = {0: 0, 3: 1}          # side block k runs after main block i, once per context
@@ -63,7 +63,7 @@ def test_interleaved_calls_are_bit_exact_and_learned(home, window, prefetch):
     reader = FileLike(engine_blocks(model)) if home == "disk" else None
     engine = BlockSwapEngine(engine_blocks(model), read_block=reader.read if reader else None, home=home,
                              disk_workers=2)
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, window, prefetch))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, window, prefetch)))
     try:
         first = [call(engine, model, X) for _ in range(2)]
         stats1 = engine.end_run()
@@ -82,7 +82,7 @@ def test_interleaved_calls_are_bit_exact_and_learned(home, window, prefetch):
 def test_out_of_order_fetches_are_counted_then_gone():
     model = Interleaved()
     engine = BlockSwapEngine(engine_blocks(model))
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 1, 1))             # every block streams
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 1, 1)))             # every block streams
     try:
         call(engine, model, X)
         first = engine.end_run()

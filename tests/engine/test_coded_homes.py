@@ -5,7 +5,7 @@ import torch
 
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 
-from toy_blocks import N, FileLike, make_blocks, run
+from toy_blocks import N, FileLike, load_plan, make_blocks, run
 from zlib_planes import StoredPlanes, ZlibPlanes
 
 X = torch.randn(4, 32, dtype=torch.bfloat16)
@@ -27,7 +27,7 @@ def test_coded_homes_are_bit_exact_at_every_window_and_prefetch(home):
     for window in (1, 3, N, 2):
         for prefetch in range(0, 3):
             plan = ResidencyPlan.make(N, window, prefetch)
-            engine.attach("cpu", plan, compress=True)
+            engine.attach("cpu", load_plan(plan, compress=True))
             coded = set(engine.pool.coded)
             assert set(plan.streamed) <= coded, (window, prefetch)   # every streamed RAM home coded
             assert not coded & set(engine.pool.blocks)                 # and its raw home gone
@@ -41,7 +41,7 @@ def test_coded_homes_are_bit_exact_at_every_window_and_prefetch(home):
             engine.detach()
     assert engine.coding.ratio < 0.9 and engine.coding.coder.decodes > 0 and engine.coding.decode_rate > 0
     if home != "auto":   # detached, a coded block points at no host copy; the others at their homes
-        engine.attach("cpu", ResidencyPlan.make(N, N, 0), compress=True)   # coded blocks decoded into place
+        engine.attach("cpu", load_plan(ResidencyPlan.make(N, N, 0), compress=True))   # coded blocks decoded into place
         assert torch.equal(run(blocks, X), ref)
         engine.detach()
 
@@ -52,15 +52,15 @@ def test_coded_homes_save_ram_and_stay_across_attaches():
     engine = BlockSwapEngine(list(blocks))
     engine.coder_factory = ZlibPlanes
     raw_total = engine.total_block_bytes()
-    engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1), compress=True))
     assert engine.pool.nbytes < raw_total - 0.1 * engine.total_block_bytes() * (N - 2) / N
     first = {i: c.home for i, c in engine.pool.coded.items()}
     engine.detach()
-    engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1), compress=True))
     assert {i: c.home for i, c in engine.pool.coded.items()} == first   # not coded again
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
-    engine.attach("cpu", ResidencyPlan.make(N, 1, 1), compress=False)   # compress off: coded homes still serve
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 1, 1), compress=False))   # compress off: coded homes still serve
     assert set(engine.pool.coded) == set(first) and torch.equal(run(blocks, X), ref)
     engine.detach()
 
@@ -71,7 +71,7 @@ def test_a_coder_that_does_not_shrink_the_blocks_leaves_them_raw(caplog):
     engine = BlockSwapEngine(list(blocks))
     engine.coder_factory = StoredPlanes
     with caplog.at_level("INFO", logger="ringswap.coding"):
-        engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+        engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1), compress=True))
     assert not engine.pool.coded and engine.coding.pays is False
     assert "blocks stay raw" in caplog.text
     assert torch.equal(run(blocks, X), ref)
@@ -81,7 +81,7 @@ def test_a_coder_that_does_not_shrink_the_blocks_leaves_them_raw(caplog):
 def test_compress_without_a_coder_is_refused():
     engine = BlockSwapEngine(list(bf16_blocks()))
     with pytest.raises(RuntimeError, match="coder"):
-        engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+        engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1), compress=True))
     assert engine.att is None
 
 
@@ -100,7 +100,7 @@ def test_on_land_work_sees_the_decoded_block_and_the_home_stays_coded():
         tensors[bias].mul_(2)
 
     for window, prefetch in ((1, 0), (2, 1), (3, 2)):
-        engine.attach("cpu", ResidencyPlan.make(N, window, prefetch), on_land=on_land, compress=True)
+        engine.attach("cpu", load_plan(ResidencyPlan.make(N, window, prefetch), compress=True), on_land=on_land)
         for _ in range(3):
             assert torch.equal(run(blocks, X), want), (window, prefetch)
         engine.end_run()
@@ -115,11 +115,11 @@ def test_a_mid_run_re_plan_keeps_coding_and_stays_exact():
     src = FileLike(blocks)
     engine = BlockSwapEngine(list(blocks), read_block=src.read, home="ram", disk_workers=2)
     engine.coder_factory = ZlibPlanes
-    engine.attach("cpu", ResidencyPlan.make(N, 5, 1), compress=True)
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 5, 1), compress=True))
     assert torch.equal(run(blocks, X), ref)
     for window in (2, 6, 1):
         plan = ResidencyPlan.make(N, window, 1)
-        engine.reattach(plan)
+        engine.reattach(load_plan(plan))
         assert set(plan.streamed) <= set(engine.pool.coded)
         assert torch.equal(run(blocks, X), ref), window
     engine.end_run()
@@ -140,7 +140,7 @@ def test_a_coder_that_is_not_bit_exact_is_refused_at_coding():
     engine = BlockSwapEngine(list(blocks))
     engine.coder_factory = Flips
     with pytest.raises(RuntimeError, match="bit for bit"):
-        engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+        engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1), compress=True))
     assert not engine.pool.coded and engine.att is None
     assert torch.equal(run(blocks, X), run(bf16_blocks(), X))   # the homes are whole
 
@@ -161,7 +161,7 @@ def test_home_auto_keeps_an_outgoing_models_resident_blocks_coded():
     places them by decoding, without reading the file; exact."""
     blocks, ref, src, engine = auto_engine()
     plan = ResidencyPlan.make(N, 4, 1)
-    engine.attach("cpu", plan, compress=True)
+    engine.attach("cpu", load_plan(plan, compress=True))
     assert torch.equal(run(blocks, X), ref)
     engine.end_run()
     engine.detach(capture_bytes=10 ** 9)
@@ -169,7 +169,7 @@ def test_home_auto_keeps_an_outgoing_models_resident_blocks_coded():
     raw = sum(s.layout.nbytes for s in engine.states)
     assert engine.pool.nbytes < 0.9 * raw
     reads = src.reads
-    engine.attach("cpu", plan, compress=True)
+    engine.attach("cpu", load_plan(plan, compress=True))
     assert src.reads == reads and engine.read_back == (0, 0.0)
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
@@ -184,7 +184,7 @@ def test_coding_slower_than_the_measured_link_leaves_the_blocks_raw(caplog):
     engine.coder_factory = ZlibPlanes
     engine.link_bytes_per_s = 1e18   # a link no decode keeps up with
     with caplog.at_level("INFO", logger="ringswap.coding"):
-        engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+        engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1), compress=True))
     assert not engine.pool.coded and engine.coding.pays is False and engine.coding.decode_rate > 0
     assert "take longer than a raw copy" in caplog.text
     assert torch.equal(run(blocks, X), ref)
@@ -234,14 +234,14 @@ def test_coding_gives_the_raw_homes_ram_back():
         return e
     plan = ResidencyPlan.make(6, 1, 1)
     twin = engine()
-    twin.attach("cpu", plan, compress=True)
+    twin.attach("cpu", load_plan(plan, compress=True))
     twin.detach()
     del twin
     eng, proc = engine(), psutil.Process()
-    eng.attach("cpu", plan)
+    eng.attach("cpu", load_plan(plan))
     raw_rss, raw_pool = proc.memory_info().rss, eng.pool.nbytes
     eng.detach()
-    eng.attach("cpu", plan, compress=True)
+    eng.attach("cpu", load_plan(plan, compress=True))
     coded_rss, coded_pool = proc.memory_info().rss, eng.pool.nbytes
     saved = raw_pool - coded_pool
     assert saved > 0.2 * 5 * 8 * 2**20
@@ -257,7 +257,7 @@ def test_a_coder_of_whole_words_gets_bf16_blocks_without_planes():
     ref = run(blocks, X)
     engine = BlockSwapEngine(list(blocks))
     engine.coder_factory = WordsZlib
-    engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1), compress=True))
     assert engine.pool.coded and not any(c.planes for c in engine.pool.coded.values())
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
@@ -271,7 +271,7 @@ def test_fp16_blocks_cast_from_bf16_are_coded_narrowed_and_exact():
     ref = run(blocks, x)
     engine = BlockSwapEngine(list(blocks))
     engine.coder_factory = ZlibPlanes
-    engine.attach("cpu", ResidencyPlan.make(N, 2, 1), compress=True)
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1), compress=True))
     coded = engine.pool.coded
     assert coded and all(c.narrowed == frozenset(range(len(c.parts))) for c in coded.values())
     for _ in range(2):
@@ -288,25 +288,25 @@ def test_home_auto_allowed_to_code_keeps_its_resident_blocks_coded():
     blocks, ref, src, engine = auto_engine()
     plan = ResidencyPlan.make(N, 4, 1)
     raw = sum(engine.states[i].layout.nbytes for i in plan.resident)
-    engine.attach("cpu", plan, may_code=True)
+    engine.attach("cpu", load_plan(plan, may_code=True))
     assert torch.equal(run(blocks, X), ref) and not engine.pool.coded
     engine.detach(capture_bytes=raw)
     assert set(engine.pool.coded) == set(plan.resident) and engine.coding.checked
     assert not set(engine.pool.blocks) & set(plan.resident)
     coded = sum(engine.pool.coded[i].coded_bytes for i in plan.resident)
     reads = src.reads
-    engine.attach("cpu", plan, may_code=True)
+    engine.attach("cpu", load_plan(plan, may_code=True))
     assert src.reads == reads and torch.equal(run(blocks, X), ref)
     assert not engine.pool.coded   # placed: home=auto keeps no home for a resident block
     engine.detach(capture_bytes=coded - 1)   # room for all but the last
     assert set(engine.pool.coded) == set(plan.resident[:-1])
-    engine.attach("cpu", plan)
+    engine.attach("cpu", load_plan(plan))
     assert src.reads == reads + 1 and torch.equal(run(blocks, X), ref)
     engine.detach(capture_bytes=raw)
     assert not engine.pool.coded and set(plan.resident) <= set(engine.pool.blocks)
 
     _, _, _, stored = auto_engine(StoredPlanes)
-    stored.attach("cpu", plan, may_code=True)
+    stored.attach("cpu", load_plan(plan, may_code=True))
     stored.detach(capture_bytes=raw)
     assert not stored.pool.coded and set(plan.resident) <= set(stored.pool.blocks) and stored.coding.pays is False
 
@@ -315,9 +315,9 @@ def test_home_auto_allowed_to_code_keeps_its_resident_blocks_coded():
             super().decode(coded, out)
             out[0] ^= 1
     fb, _, _, flipping = auto_engine(Flips)
-    flipping.attach("cpu", plan, may_code=True)
+    flipping.attach("cpu", load_plan(plan, may_code=True))
     flipping.detach(capture_bytes=raw)
     assert not flipping.pool.coded
-    flipping.attach("cpu", plan, may_code=True)
+    flipping.attach("cpu", load_plan(plan, may_code=True))
     assert torch.equal(run(fb, X), ref)
     flipping.detach()

@@ -4,7 +4,7 @@ import torch
 
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 
-from toy_blocks import N, FileLike, make_blocks, run
+from toy_blocks import N, FileLike, load_plan, make_blocks, run
 
 X = torch.randn(4, 32)
 
@@ -20,7 +20,7 @@ def test_every_window_and_prefetch_is_bit_exact(home):
         engine = BlockSwapEngine(list(blocks), read_block=src.read, home=home, disk_workers=2)
     for window in range(1, N + 1):
         for prefetch in range(0, 3):
-            engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, window, prefetch))
+            engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, window, prefetch)))
             seen = []
             probes = [b.lin.register_forward_pre_hook(
                 lambda m, a: seen.append(len(engine.blocks_on_device()))) for b in blocks]
@@ -58,13 +58,13 @@ def test_reattach_keeps_the_resident_blocks_both_plans_share(home):
         tensors[bias].mul_(2)
         folds.append(block)
 
-    first = engine.attach("cpu", ResidencyPlan.make(N, 4, 1), on_land=on_land)
+    first = engine.attach("cpu", load_plan(ResidencyPlan.make(N, 4, 1)), on_land=on_land)
     assert torch.equal(run(blocks, X), want)
     for window, prefetch in ((3, 2), (2, 1), (4, 1)):
         before = {i: engine.states[i].device_buffer for i in engine.plan.resident}
         plan = engine.plan.reshaped(window, prefetch)
         folds.clear()
-        assert engine.reattach(plan, after_oom=False) is plan and engine.plan is plan
+        assert engine.reattach(load_plan(plan), after_oom=False) is plan and engine.plan is plan
         for i in set(before) & set(plan.resident):   # still computing from its device buffer
             s = engine.states[i]
             assert s.device_buffer is before[i]
@@ -117,7 +117,7 @@ def test_exception_mid_block_then_next_run_is_exact():
     blocks = make_blocks()
     ref = run(blocks, X)
     engine = BlockSwapEngine(list(blocks))
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 2, 1)))
 
     def boom(module, args):
         raise KeyboardInterrupt("interrupted")
@@ -135,7 +135,7 @@ def test_disk_read_failure_is_reported_and_recoverable():
     ref = run(blocks, X)
     src = FileLike(blocks)
     engine = BlockSwapEngine(list(blocks), read_block=src.read, home="disk", disk_workers=2)
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 2, 1)))
     assert torch.equal(run(blocks, X), ref)
     src.broken = True
     with pytest.raises(OSError, match="file ended early"):
@@ -144,7 +144,7 @@ def test_disk_read_failure_is_reported_and_recoverable():
     engine.end_run()
     engine.detach()
     src.broken = False
-    engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 2, 1))
+    engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 2, 1)))
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
 
@@ -157,7 +157,7 @@ def test_disk_home_with_one_staging_buffer_and_slow_reads():
     src = FileLike(blocks, delay=0.003)
     engine = BlockSwapEngine(list(blocks), read_block=src.read, home="disk", disk_workers=1)
     for prefetch in (1, 2):
-        engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, 1, prefetch))
+        engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, 1, prefetch)))
         for _ in range(6):
             assert torch.equal(run(blocks, X), ref), prefetch
         engine.end_run()
@@ -194,7 +194,7 @@ def test_packed_tensors_join_afresh_only_where_their_codec_asks(fresh_join):
         for b in blocks:
             b.gain = b.gain.as_subclass(Marked)
         engine = BlockSwapEngine(list(blocks), home="ram")
-        engine.attach("cpu", ResidencyPlan.make(N, 2, 1))
+        engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1)))
         codec.joins = 0
         for _ in range(3):
             assert torch.equal(run(blocks, X).as_subclass(torch.Tensor), want)

@@ -10,7 +10,7 @@ from ringswap.swap.dense_arena import aligned
 from ringswap.swap.state import ResidentWork
 from ringswap.swap.transfer import LAND_SAMPLE
 
-from toy_blocks import N, FileLike, make_blocks, run
+from toy_blocks import N, FileLike, load_plan, make_blocks, run
 
 X = torch.randn(4, 32)
 
@@ -40,7 +40,7 @@ def test_on_land_runs_once_per_landing_before_the_block_computes(home):
     try:
         for window, prefetch in ((1, 0), (2, 1), (3, 2), (N, 1)):
             events.clear()
-            plan = engine.attach("cpu", ResidencyPlan.make(engine.num_blocks, window, prefetch), on_land=on_land)
+            plan = engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, window, prefetch)), on_land=on_land)
             assert sorted(b for e, b in events if e == "fold") == sorted(plan.resident)
             for _ in range(3):
                 assert torch.equal(run(blocks, X), want), (home, window, prefetch)
@@ -85,7 +85,7 @@ def test_on_land_replacements_are_bound_instead_and_dropped_at_refill(home):
 
     for window, prefetch in ((1, 0), (2, 1), (N, 1)):
         made.clear()
-        plan = engine.attach("cpu", ResidencyPlan.make(N, window, prefetch), on_land=on_land)
+        plan = engine.attach("cpu", load_plan(ResidencyPlan.make(N, window, prefetch)), on_land=on_land)
         for _ in range(2):
             assert torch.equal(run(blocks, X), want), (home, window, prefetch)
         live = sum(len(m) for m in made)
@@ -117,7 +117,7 @@ def test_resident_blocks_named_fold_per_call_hold_their_dense_weights_only_while
               for i, b in enumerate(blocks)]
     try:
         work = ResidentWork(frozenset(range(N)), lambda block, tensors: placed.append(block), on_land)
-        plan = engine.attach("cpu", ResidencyPlan.make(N, 3, 1), on_land=on_land, resident_work=work)
+        plan = engine.attach("cpu", load_plan(ResidencyPlan.make(N, 3, 1)), on_land=on_land, resident_work=work)
         assert sorted(placed) == sorted(plan.resident), "their in-place work runs once, at placing"
         own = {i: blocks[i].lin.weight.data_ptr() for i in plan.resident}
         assert folds == [], "resident blocks are not folded at placing"
@@ -129,7 +129,7 @@ def test_resident_blocks_named_fold_per_call_hold_their_dense_weights_only_while
         for i in plan.resident:
             assert blocks[i].lin.weight.data_ptr() == own[i], "its own weight bound between calls"
             assert all(p != own[i] for j, p in seen if j == i), "it computed from the dense weight"
-        smaller = engine.reattach(plan.reshaped(2, 1), after_oom=False)
+        smaller = engine.reattach(load_plan(plan.reshaped(2, 1)), after_oom=False)
         assert engine.att.resident_work is work
         assert torch.equal(run(blocks, X), want)
         assert engine.att.resident_folds is not None and len(smaller.resident) >= 1
@@ -170,7 +170,7 @@ def test_dense_replacements_are_cut_from_the_slots_and_the_resident_sets_arenas(
     fold = ArenaFold(k, entry, w.numel() * w.element_size())
     work = ResidentWork(frozenset(range(N)), lambda block, tensors: None, fold)
     for window, prefetch, resident_work in ((1, 0, None), (2, 1, None), (3, 1, work), (N, 1, work)):
-        plan = engine.attach("cpu", ResidencyPlan.make(N, window, prefetch), on_land=fold, resident_work=resident_work)
+        plan = engine.attach("cpu", load_plan(ResidencyPlan.make(N, window, prefetch)), on_land=fold, resident_work=resident_work)
         for call in range(2):
             fold.arenas.clear()
             assert torch.equal(run(blocks, X), want), (home, window, prefetch, call)
@@ -232,7 +232,7 @@ def test_what_the_on_land_work_keeps_on_the_device_is_not_an_activation():
 
     peaks = {}
     for work in (KeepsPairs(), Unsaid()):
-        engine.attach(device, ResidencyPlan.make(N, 1, 1), on_land=work)
+        engine.attach(device, load_plan(ResidencyPlan.make(N, 1, 1)), on_land=work)
         x = X.to(device)
         run_call(engine, lambda: run(blocks, x), lambda: None, lambda old, new: None)
         peaks[type(work).__name__] = engine.att.stats.activation_peak
@@ -264,7 +264,7 @@ def test_a_blocks_first_fold_is_not_timed_where_the_work_says_it_is_cold():
     engine = BlockSwapEngine(list(blocks))
     spans = {}
     for work in (FirstFoldSlow(), Unsaid()):
-        engine.attach("cpu", ResidencyPlan.make(N, 1, 0), on_land=work)
+        engine.attach("cpu", load_plan(ResidencyPlan.make(N, 1, 0)), on_land=work)
         for _ in range(8):
             run(blocks, X)
         spans[type(work).__name__] = engine.end_run().land_times

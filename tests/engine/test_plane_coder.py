@@ -112,7 +112,7 @@ def test_engine_streams_coded_blocks_bit_exact_on_cuda():
     dev = _cuda_nvcomp()
     from ringswap.swap import BlockSwapEngine, ResidencyPlan
     from ringswap.swap.plane_coder import AnsPlanes
-    from toy_blocks import run
+    from toy_blocks import load_plan, run
     N = 5
     torch.manual_seed(0)   # blocks of 128 KiB: large enough for the coded form to pay
     blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(256), torch.nn.Linear(256, 256))
@@ -124,7 +124,7 @@ def test_engine_streams_coded_blocks_bit_exact_on_cuda():
     engine.coder_factory = AnsPlanes
     for window in (1, 2, 4, N):
         for prefetch in range(0, 3):
-            engine.attach(dev, ResidencyPlan.make(N, window, prefetch), compress=True)
+            engine.attach(dev, load_plan(ResidencyPlan.make(N, window, prefetch), compress=True))
             for _ in range(2):
                 assert torch.equal(run(blocks, x), ref), (window, prefetch)
             engine.end_run()

@@ -114,7 +114,7 @@ def test_at_most_one_measuring_event_per_streamed_block(monkeypatch, window):
     per streamed block, plus a few per call and run."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from toy_blocks import N, make_blocks, run
+    from toy_blocks import N, load_plan, make_blocks, run
     dev = torch.device("cuda")
     made = []
     real = transfer._timing_event
@@ -123,7 +123,7 @@ def test_at_most_one_measuring_event_per_streamed_block(monkeypatch, window):
     want = run(make_blocks().to(dev), torch.ones(4, 32, device=dev))
     engine = BlockSwapEngine(list(blocks))
     plan = ResidencyPlan.make(N, window, 1)
-    engine.attach(dev, plan, on_land=lambda block, tensors: None)
+    engine.attach(dev, load_plan(plan), on_land=lambda block, tensors: None)
     made.clear()
     calls = 20
     for _ in range(calls):

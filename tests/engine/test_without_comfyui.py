@@ -13,6 +13,7 @@ import conftest  # the repository as `ringswap`
 import ringswap
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 from ringswap.swap.window_plan import PlanInputs, plan_window
+from ringswap.swap.load_plan import RunFacts, SwapSettings, plan_load
 from ringswap.lora import kernels
 import torch
 blocks = [torch.nn.Linear(8, 8) for _ in range(4)]
@@ -21,7 +22,9 @@ want = x
 for b in blocks:
     want = b(want)
 engine = BlockSwapEngine(blocks)
-engine.attach("cpu", ResidencyPlan.make(4, 2, 1))
+plan = plan_load(engine.facts(), RunFacts(device="cpu", free_bytes=10**9, nonblock_bytes=0), SwapSettings(window=2))
+assert plan.residency == ResidencyPlan.make(4, 2, 1)
+engine.attach("cpu", plan)
 got = x
 for b in blocks:
     got = b(got)

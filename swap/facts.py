@@ -1,0 +1,71 @@
+"""What an engine tells the outside, read off its state in one place so the ComfyUI adapter never
+reaches into it: its facts for swap.load_plan (block sizes raw and in their homes, the homes held,
+what coding measured, the link, read and pin rates) and the live view of where each block is."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .load_plan import EngineFacts
+from .residency import ResidencyPlan
+from .stats import RunStats
+
+if TYPE_CHECKING:   # the engine imports this module
+    from .engine import BlockSwapEngine
+
+
+def engine_facts(engine: "BlockSwapEngine") -> EngineFacts:
+    pool, coding, att = engine.pool, engine.coding, engine.att
+    ratio = coding.ratio if coding is not None and coding.pays else 1.0
+    homes = frozenset(i for i in range(engine.num_blocks) if pool.has(i))
+    read, read_s = engine.read_back
+    return EngineFacts(
+        block_sizes=tuple(s.layout.nbytes for s in engine.states),
+        home_sizes=tuple(pool.coded[i].coded_bytes if i in pool.coded else int(s.layout.nbytes * ratio)
+                         for i, s in enumerate(engine.states)),
+        homes_held=pool.nbytes, every_home_in_ram=engine.homes.every_block, splits_ram=engine.homes.splits_ram,
+        own_load=engine.read_block is not None, read_buffers=engine.read_buffers, coded_any=bool(pool.coded),
+        coding_ratio=coding.ratio if coding is not None and coding.encoded[0] else 0.0,
+        coding_pays=coding.pays if coding is not None else None,
+        decode_rate=coding.decode_rate if coding is not None else 0.0,
+        link_bytes_per_s=engine.link_bytes_per_s, read_bytes_per_s=read / read_s if read and read_s > 0 else 0.0,
+        pin_s_per_byte=pool.pin_seconds(1), attached=att.plan if att else None, attached_coded=bool(att and att.compress),
+        pinned_copies=bool(att and att.memory == "pinned"), homes=homes,
+        pinned=frozenset(i for i in homes if pool.buffer(i).pinned),
+        coded=frozenset(pool.coded), memory=att.memory if att else None, read_back=engine.read_back)
+
+
+PLACES = {"G": "resident on the device", "R": "in a ring slot, landed", "C": "in a ring slot, copy or read in flight",
+          "H": "at home in RAM", "D": "only in the file"}
+
+
+@dataclass(frozen=True)
+class LiveView:
+    """Where each block's weights are right now (one PLACES letter a block), the block computing
+    (-1 between blocks), the attached residency and the run's counters."""
+    places: str
+    current: int
+    plan: ResidencyPlan
+    stats: RunStats
+    home: str
+
+
+def live_view(engine: "BlockSwapEngine") -> LiveView | None:
+    """The attached engine's LiveView (None when detached); reads only flags, never waits."""
+    att = engine.att
+    if att is None:
+        return None
+    places = ["H" if engine.pool.has(i) else "D" for i in range(engine.num_blocks)]
+    for i in att.plan.resident:
+        places[i] = "G"
+    for slot in att.ring.slots if att.ring is not None else ():
+        if slot.owner is not None:
+            places[slot.owner] = "R" if _landed(slot) else "C"
+    current = next((s.index for s in engine.states if s.slot is not None), -1)
+    return LiveView("".join(places), current, att.plan, att.stats, engine.homes.mode)
+
+
+def _landed(slot) -> bool:
+    if slot.reading:
+        return False
+    return slot.ready is None or bool(slot.ready.query())
