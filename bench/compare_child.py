@@ -219,6 +219,37 @@ def keep_run_stats(patchers: list) -> list:
     return runs
 
 
+def memory_after(sampler, vram0: int | None, dev: torch.device) -> dict:
+    """A workload's host and device memory: steady and peak RSS, pinned bytes, VRAM peaks, and
+    on CUDA the caching allocator's retries (it freeing its cache to retry: a device sync each)."""
+    out = {"rss_steady": common.rss_bytes(), "rss_steady_parts": rss_parts(), "rss_peak": sampler.peak,
+           "pinned": common.pinned_bytes(), "vram_peak": None if vram0 is None else sampler.vram_peak - vram0,
+           "vram_torch_peak": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None}
+    if dev.type == "cuda":
+        mem = torch.cuda.memory_stats(dev)
+        out.update(alloc_retries=mem.get("num_alloc_retries", 0), device_allocs=mem.get("num_device_alloc", 0))
+    return out
+
+
+def run_figures(done: list, n_steps: int) -> dict:
+    """What the engine's run stats of one workload (two experts: one each) say per step."""
+    calls = sum(st.calls for st in done)
+    copied, copy_s = sum(st.bytes_copied for st in done), sum(st.copy_s for st in done)
+    return {"stats_line": " | ".join(st.line() for st in done), "calls": calls, "calls_per_step": calls / n_steps,
+            "h2d_bytes_per_step": copied / n_steps, "copy_gbps": copied / copy_s / 1e9 if copy_s else 0.0,
+            "read_bytes_per_step": sum(st.bytes_read for st in done) / n_steps}
+
+
+def expert_figures(times: list[float], experts: list, n_steps: int) -> dict:
+    """The next prompt of two experts (n_steps, half each): each expert's first step switches;
+    s/step is the mean of the others."""
+    half = n_steps // 2
+    rest = times[1:half] + times[half + 1:]
+    return {"s_per_step": sum(rest) / len(rest) if rest else None, "switch_step_s": max(times[0], times[half]),
+            "expert_pinned": [m.swap_engine.pool.pinned_bytes for m in experts],
+            "expert_attached": [m.swap_engine.att is not None for m in experts]}
+
+
 def child(a) -> dict:
     """Measure configuration `a.child` at every workload in `a.tokens`."""
     cfg = CONFIGS[a.child]
@@ -256,32 +287,17 @@ def child(a) -> dict:
             row.update(first_step_s=times[0], steps=times, s_per_step=common.steady_s(times) or times[0])
         except torch.OutOfMemoryError as e:
             row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
-        row.update(rss_steady=common.rss_bytes(), rss_steady_parts=rss_parts(), rss_peak=sampler.peak,
-                   pinned=common.pinned_bytes(),
-                   vram_peak=None if vram0 is None else sampler.vram_peak - vram0,
-                   vram_torch_peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None)
-        if dev.type == "cuda":   # the caching allocator freeing its cache to retry (a device sync each)
-            mem = torch.cuda.memory_stats(dev)
-            row.update(alloc_retries=mem.get("num_alloc_retries", 0), device_allocs=mem.get("num_device_alloc", 0))
+        row.update(memory_after(sampler, vram0, dev))
         sampler.peak = max(sampler.peak, rss_peak_before)
         engine = getattr(patcher, "swap_engine", None)
         if engine is not None and engine.plan is not None:
             row["plan"] = engine.plan.describe()
         if runs:   # this workload's run (two experts: one each)
-            done = runs[-2:] if how == "experts" else runs[-1:]
+            row.update(run_figures(runs[-2:] if how == "experts" else runs[-1:], 1 + steps))
             runs.clear()
-            n_steps, calls = 1 + steps, sum(st.calls for st in done)
-            copied, copy_s = sum(st.bytes_copied for st in done), sum(st.copy_s for st in done)
-            row.update(stats_line=" | ".join(st.line() for st in done), calls=calls, calls_per_step=calls / n_steps,
-                       h2d_bytes_per_step=copied / n_steps, copy_gbps=copied / copy_s / 1e9 if copy_s else 0.0,
-                       read_bytes_per_step=sum(st.bytes_read for st in done) / n_steps)
         row["log"], seen = log.lines[seen:], len(log.lines)
-        if how == "experts" and "error" not in row:   # each expert's first step of the next prompt switches
-            half = (1 + steps) // 2
-            rest = times[1:half] + times[half + 1:]
-            row.update(s_per_step=sum(rest) / len(rest) if rest else None, switch_step_s=max(times[0], times[half]),
-                       expert_pinned=[m.swap_engine.pool.pinned_bytes for m in obj],
-                       expert_attached=[m.swap_engine.att is not None for m in obj])
+        if how == "experts" and "error" not in row:
+            row.update(expert_figures(times, obj, 1 + steps))
         if a.rerun and "error" not in row:   # the next prompt at this size: its first step
             again = time_steps(obj, how, patcher, tokens, 1 + a.rerun_steps, a, dev)
             row.update(rerun_first_step_s=again[0], rerun_step_s=common.steady_s(again), rerun_log=log.lines[seen:])

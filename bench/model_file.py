@@ -124,49 +124,35 @@ def existing_file_ok(path: str, sig: str) -> bool:
         return False
 
 
-def write_model(path: str, fmt: str, a, dev: torch.device, qf, template, free_margin: int) -> dict:
-    """Write the model in `fmt` to `path`, generating weights on `dev` block by block."""
+def _random_state(names_shapes, seed: int, gen: torch.Generator, dev: torch.device) -> dict:
+    """Weights N(0, WEIGHT_STD) on `dev` from `seed`, norm weights around 1 (as wan_files writes)."""
     from wan_files import WEIGHT_STD, _is_norm_weight
+    gen.manual_seed(seed)
+    sd = {}
+    for name, shape in names_shapes:
+        t = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32).mul_(WEIGHT_STD)
+        if _is_norm_weight(name):
+            t.add_(1.0)
+        sd[name] = t
+    return sd
 
-    t_start = time.perf_counter()
-    gen = torch.Generator(device=dev)
 
-    def make(names_shapes, seed):
-        gen.manual_seed(seed)
-        sd = {}
-        for name, shape in names_shapes:
-            t = torch.randn(shape, generator=gen, device=dev, dtype=torch.float32).mul_(WEIGHT_STD)
-            if _is_norm_weight(name):
-                t.add_(1.0)
-            sd[name] = t
-        return sd
-
-    nonblock = [(n, s) for n, s in template if _block_of(n) is None]
-    per_block: dict[int, list] = {}
-    for n, s in template:
-        b = _block_of(n)
-        if b is not None:
-            per_block.setdefault(b, []).append((n, s))
-    layers = len(per_block)
-
-    nb_out, meta = qf.encode_state_dict(make(nonblock, a.seed), fmt, 0)
-    nb_out = {k: v.cpu() for k, v in nb_out.items()}
-    b0, meta0 = encode_block(qf, make(per_block[0], a.seed + 1), 0, fmt)
-    # The quant_metadata header lists every quantized layer: replicate block 0's.
-    if "_quantization_metadata" in meta0:
-        qm = json.loads(meta0["_quantization_metadata"])
-        lay = {}
-        for i in range(layers):
-            for k, v in qm["layers"].items():
-                lay[f"blocks.{i}." + k[len("blocks.0."):]] = v
-        qm["layers"] = lay
-        meta = {**meta, "_quantization_metadata": json.dumps(qm)}
-    block_tmpl = [(k[len("blocks.0."):], v.dtype, tuple(v.shape)) for k, v in b0.items()]
-
-    entries = {k: (v.dtype, tuple(v.shape)) for k, v in nb_out.items()}
+def _every_layer_metadata(meta: dict, meta0: dict, layers: int) -> dict:
+    """The quant_metadata header lists every quantized layer: block 0's, replicated."""
+    if "_quantization_metadata" not in meta0:
+        return meta
+    qm = json.loads(meta0["_quantization_metadata"])
+    lay = {}
     for i in range(layers):
-        for suffix, dt, shape in block_tmpl:
-            entries[f"blocks.{i}.{suffix}"] = (dt, shape)
+        for k, v in qm["layers"].items():
+            lay[f"blocks.{i}." + k[len("blocks.0."):]] = v
+    qm["layers"] = lay
+    return {**meta, "_quantization_metadata": json.dumps(qm)}
+
+
+def _header(entries: dict, metadata: dict) -> tuple[dict, bytes, int]:
+    """The safetensors header of `entries` (name -> (dtype, shape)) in save_file's tensor order,
+    its JSON padded to 8 bytes, and the data's size."""
     order = sorted(entries, key=lambda k: (-ST_RANK.index(ST_DTYPE[entries[k][0]]), k))
     header, off = {}, 0
     for k in order:
@@ -174,63 +160,72 @@ def write_model(path: str, fmt: str, a, dev: torch.device, qf, template, free_ma
         n = math.prod(shape) * dt.itemsize
         header[k] = {"dtype": ST_DTYPE[dt], "shape": list(shape), "data_offsets": [off, off + n]}
         off += n
-    data_bytes = off
-    metadata = {"ringswap_bench": file_signature(fmt, a), "format": fmt, **meta}
     hjson = json.dumps({"__metadata__": metadata, **header}, separators=(",", ":")).encode()
-    hjson += b" " * (-len(hjson) % 8)
-    data_start = 8 + len(hjson)
-    total = data_start + data_bytes
+    return header, hjson + b" " * (-len(hjson) % 8), off
 
-    d = os.path.dirname(path)
-    free = shutil.disk_usage(d).free
-    if free < total + free_margin:
-        raise RuntimeError(f"not enough disk space in {d}: the {fmt} file needs {gb(total):.1f} GB, "
-                           f"{gb(free):.1f} GB free (keeping {gb(free_margin):.1f} GB spare)")
-    say(f"  {fmt}: writing {gb(total):.2f} GB ({len(entries)} tensors, {layers} blocks of "
-        f"{gb(sum(math.prod(s) * dt.itemsize for _, dt, s in block_tmpl)):.3f} GB) to {path}")
 
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    written = 0
-    check = {}
+def _put(fd: int, tensors: dict, header: dict, data_start: int) -> int:
+    return sum(_pwrite_all(fd, t, data_start + header[k]["data_offsets"][0]) for k, t in tensors.items())
+
+
+def _write_blocks(fd: int, header: dict, data_start: int, blocks, layers: int, written: int, t_start: float,
+                  check: dict) -> int:
+    """Write each block of `blocks` (encoded on the device, one at a time) while the next one is
+    made: its copy to the CPU, then its pwrite on a thread. Returns the bytes written in all;
+    the last block's smallest tensor goes into `check`."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="bench-write")
+    pending = None
+    last_say = time.perf_counter()
     try:
-        written += _pwrite_all(fd, torch.tensor(list(len(hjson).to_bytes(8, "little")) + list(hjson),
-                                                dtype=torch.uint8), 0)
+        for i, enc in enumerate(blocks):
+            cpu = {k: v.cpu() for k, v in enc.items()}   # waits for the device
+            del enc
+            if i == layers - 1:
+                k = min(cpu, key=lambda k: (cpu[k].numel(), k))
+                check[k] = cpu[k]
+            if pending is not None:
+                written += pending.result()
+            pending = pool.submit(_put, fd, cpu, header, data_start)
+            if time.perf_counter() - last_say > 15 or i == layers - 1:
+                last_say = time.perf_counter()
+                dt = last_say - t_start
+                say(f"    block {i + 1}/{layers}: {gb(written):.1f} GB written, {gb(written) / dt:.2f} GB/s")
+        return written + pending.result()
+    finally:
+        pool.shutdown(wait=True)
 
-        def put(tensors: dict) -> int:
-            n = 0
-            for k, t in tensors.items():
-                n += _pwrite_all(fd, t, data_start + header[k]["data_offsets"][0])
-            return n
 
-        written += put(nb_out)
+def _check_file(path: str, entries: dict, check: dict) -> int:
+    """A valid safetensors file: the library reads the header and the spot checks back equal."""
+    from safetensors import safe_open
+    with safe_open(path, framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+        if keys != set(entries):
+            raise RuntimeError(f"{path}: safetensors reads {len(keys)} keys, we wrote {len(entries)}")
+        for k, t in check.items():
+            got = f.get_tensor(k)
+            if got.dtype != t.dtype or tuple(got.shape) != tuple(t.shape) or not torch.equal(
+                    got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
+                raise RuntimeError(f"{path}: tensor {k} reads back different from what was written")
+    return len(keys)
+
+
+def _write_file(tmp: str, hjson: bytes, header: dict, data_start: int, parts: dict, layers: int,
+                t_start: float) -> tuple[int, float, dict]:
+    """Write the header, the non-block tensors and each block to `tmp`, fsync it and drop it from
+    the page cache; `parts` ("nonblock": tensors on the CPU, "blocks": an iterator) is emptied as
+    it goes, so nothing is held longer than its write. Returns (bytes written, fsync seconds, the
+    spot checks: the smallest non-block tensor and the last block's)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = _pwrite_all(fd, torch.tensor(list(len(hjson).to_bytes(8, "little")) + list(hjson),
+                                               dtype=torch.uint8), 0)
+        nb_out = parts.pop("nonblock")
+        written += _put(fd, nb_out, header, data_start)
         small_nb = min(nb_out, key=lambda k: (nb_out[k].numel() == 0, nb_out[k].numel(), k))
-        check[small_nb] = nb_out[small_nb]
+        check = {small_nb: nb_out[small_nb]}
         del nb_out
-        pool = ThreadPoolExecutor(1, thread_name_prefix="bench-write")
-        pending = None
-        last_say = time.perf_counter()
-        try:
-            for i in range(layers):
-                if i == 0:
-                    enc, b0 = b0, None
-                else:
-                    enc, _ = encode_block(qf, make(per_block[i], a.seed + 1 + i), i, fmt)
-                cpu = {k: v.cpu() for k, v in enc.items()}   # waits for the device
-                del enc
-                if i == layers - 1:
-                    k = min(cpu, key=lambda k: (cpu[k].numel(), k))
-                    check[k] = cpu[k]
-                if pending is not None:
-                    written += pending.result()
-                pending = pool.submit(put, cpu)
-                if time.perf_counter() - last_say > 15 or i == layers - 1:
-                    last_say = time.perf_counter()
-                    dt = last_say - t_start
-                    say(f"    block {i + 1}/{layers}: {gb(written):.1f} GB written, {gb(written) / dt:.2f} GB/s")
-            written += pending.result()
-        finally:
-            pool.shutdown(wait=True)
+        written = _write_blocks(fd, header, data_start, parts.pop("blocks"), layers, written, t_start, check)
         t_sync = time.perf_counter()
         os.fsync(fd)
         fsync_s = time.perf_counter() - t_sync
@@ -243,24 +238,65 @@ def write_model(path: str, fmt: str, a, dev: torch.device, qf, template, free_ma
             pass
         raise
     os.close(fd)
+    return written, fsync_s, check
+
+
+def _blocks(qf, make, per_block: dict, fmt: str, seed: int, first: list):
+    """Block i encoded on the device, one at a time; block 0 is `first`'s (made earlier for the
+    layout) and let go once written."""
+    for i in range(len(per_block)):
+        yield first.pop() if i == 0 else encode_block(qf, make(per_block[i], seed + 1 + i), i, fmt)[0]
+
+
+def write_model(path: str, fmt: str, a, dev: torch.device, qf, template, free_margin: int) -> dict:
+    """Write the model in `fmt` to `path`, generating weights on `dev` block by block."""
+    t_start = time.perf_counter()
+    gen = torch.Generator(device=dev)
+
+    def make(names_shapes, seed):
+        return _random_state(names_shapes, seed, gen, dev)
+
+    nonblock = [(n, s) for n, s in template if _block_of(n) is None]
+    per_block: dict[int, list] = {}
+    for n, s in template:
+        if _block_of(n) is not None:
+            per_block.setdefault(_block_of(n), []).append((n, s))
+    layers = len(per_block)
+    nb_out, meta = qf.encode_state_dict(make(nonblock, a.seed), fmt, 0)
+    nb_out = {k: v.cpu() for k, v in nb_out.items()}
+    b0, meta0 = encode_block(qf, make(per_block[0], a.seed + 1), 0, fmt)
+    meta = _every_layer_metadata(meta, meta0, layers)
+    block_tmpl = [(k[len("blocks.0."):], v.dtype, tuple(v.shape)) for k, v in b0.items()]
+    entries = {k: (v.dtype, tuple(v.shape)) for k, v in nb_out.items()}
+    for i in range(layers):
+        for suffix, dt, shape in block_tmpl:
+            entries[f"blocks.{i}.{suffix}"] = (dt, shape)
+    header, hjson, data_bytes = _header(entries, {"ringswap_bench": file_signature(fmt, a), "format": fmt, **meta})
+    data_start = 8 + len(hjson)
+    total = data_start + data_bytes
+    block_bytes = sum(math.prod(s) * dt.itemsize for _, dt, s in block_tmpl)
+
+    d = os.path.dirname(path)
+    free = shutil.disk_usage(d).free
+    if free < total + free_margin:
+        raise RuntimeError(f"not enough disk space in {d}: the {fmt} file needs {gb(total):.1f} GB, "
+                           f"{gb(free):.1f} GB free (keeping {gb(free_margin):.1f} GB spare)")
+    say(f"  {fmt}: writing {gb(total):.2f} GB ({len(entries)} tensors, {layers} blocks of "
+        f"{gb(block_bytes):.3f} GB) to {path}")
+
+    tmp = path + ".tmp"
+    first = [b0]
+    del b0
+    parts = {"nonblock": nb_out, "blocks": _blocks(qf, make, per_block, fmt, a.seed, first)}
+    del nb_out
+    written, fsync_s, check = _write_file(tmp, hjson, header, data_start, parts, layers, t_start)
     os.replace(tmp, path)
     elapsed = time.perf_counter() - t_start
     if written != total or os.path.getsize(path) != total:
         raise RuntimeError(f"{path}: wrote {written} bytes, expected {total}")
-    # A valid safetensors file: the library reads the header and our spot checks.
-    from safetensors import safe_open
-    with safe_open(path, framework="pt", device="cpu") as f:
-        keys = set(f.keys())
-        if keys != set(entries):
-            raise RuntimeError(f"{path}: safetensors reads {len(keys)} keys, we wrote {len(entries)}")
-        for k, t in check.items():
-            got = f.get_tensor(k)
-            if got.dtype != t.dtype or tuple(got.shape) != tuple(t.shape) or not torch.equal(
-                    got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
-                raise RuntimeError(f"{path}: tensor {k} reads back different from what was written")
+    n_keys = _check_file(path, entries, check)
     say(f"  {fmt}: wrote {gb(total):.2f} GB in {elapsed:.1f} s ({gb(total) / elapsed:.2f} GB/s incl. "
-        f"generation; fsync {fsync_s:.1f} s); safe_open reads {len(keys)} tensors, spot checks equal")
-    block_bytes = sum(math.prod(s) * dt.itemsize for _, dt, s in block_tmpl)
+        f"generation; fsync {fsync_s:.1f} s); safe_open reads {n_keys} tensors, spot checks equal")
     return {"path": path, "format": fmt, "bytes": total, "tensors": len(entries), "blocks": layers,
             "block_bytes": block_bytes, "write_s": elapsed, "fsync_s": fsync_s,
             "write_gbps": gb(total) / elapsed, "reused": False}

@@ -128,16 +128,9 @@ def k_quant_bytes(kind, m, n, g):
     return blocks.reshape(m, -1)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kinds", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
-                    help="the kernels whose tiles are timed (the GGUF ones also without pairs)")
-    a = ap.parse_args()
-    g = torch.Generator(device=DEV).manual_seed(0)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    for qdtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        check_fp8(qdtype, g)
+def make_weights(g: torch.Generator) -> list[dict]:
+    """The 10 Linears of a Wan-14B block in every format timed (Q8_0, the K-quants, fp8, nvfp4),
+    each with a rank-64 LoRA."""
     weights = []
     for m, n in SHAPES:
         w = torch.randn(m, n, device=DEV, generator=g) * 0.03
@@ -155,6 +148,20 @@ def main():
                         "nvfp4": (nv._qdata, nv._params.scale.float().clone(), nv._params.block_scale),
                         "lora": lora(m, n, g)})
         del w
+    return weights
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kinds", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                    help="the kernels whose tiles are timed (the GGUF ones also without pairs)")
+    a = ap.parse_args()
+    g = torch.Generator(device=DEV).manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for qdtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        check_fp8(qdtype, g)
+    weights = make_weights(g)
     best = {}
     for kind, configs in ((k, CONFIGS[k]) for k in a.kinds):
         for cfg in configs + [cfg + ("br32",) for cfg in configs[:1]]:

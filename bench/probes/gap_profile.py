@@ -128,7 +128,7 @@ def ringswap_rows(a, patcher, rows: dict, cuda: bool, out: dict) -> None:
     from ringswap.nodes.patch import RingSwapPatch
     for window in a.windows:
         (rs,) = RingSwapPatch().patch(patcher, window, 1, "auto")
-        stats = keep_run_stats(rs)
+        stats = keep_run_stats([rs])   # it takes a list of patchers since abded46
         for tokens, row in rows.items():
             common.sample_steps(rs, tokens, 1, a.ctx_len)
             rs_s = common.steady_s(common.sample_steps(rs, tokens, a.steps + 1, a.ctx_len))
@@ -142,6 +142,19 @@ def ringswap_rows(a, patcher, rows: dict, cuda: bool, out: dict) -> None:
                  {f"RingSwap w{window}": pr, "ComfyUI": {"wall_s": row["comfy_wall_s"], "ops": row["comfy_ops"]}},
                  cuda, a.top)
         common.write_json(a.json, out)
+
+
+def floor_of(floor_step, dm, inputs, steps: int, dev: torch.device, cuda: bool) -> tuple[float, float, dict]:
+    """The floor's steady s/step (WanModel called directly), how long one forward takes to
+    enqueue, and its profile."""
+    floor_step()
+    floor_s = common.steady_s(common.step_times(dm, inputs, steps + 1, dev))
+    common.sync(dev)
+    t0 = time.perf_counter()
+    floor_step()
+    enqueue_s = time.perf_counter() - t0
+    common.sync(dev)
+    return floor_s, enqueue_s, profile(floor_step, cuda)
 
 
 def main() -> None:
@@ -188,14 +201,7 @@ def main() -> None:
                               "comfy_totals": totals(pc), "comfy_ops": pc["ops"]}
         out["rows"].append(row)
         try:   # under dynamic VRAM a direct call of the module is not a path ComfyUI promises
-            floor_step()
-            floor_s = common.steady_s(common.step_times(dm, inputs, a.steps + 1, dev))
-            common.sync(dev)
-            t0 = time.perf_counter()
-            floor_step()
-            enqueue_s = time.perf_counter() - t0
-            common.sync(dev)
-            pf = profile(floor_step, cuda)
+            floor_s, enqueue_s, pf = floor_of(floor_step, dm, inputs, a.steps, dev, cuda)
         except Exception as e:  # noqa: BLE001  (reported in the row; ComfyUI's path stands alone)
             row["floor_error"] = f"{type(e).__name__}: {e}"[:300]
             print(f"\n{tokens:,} tokens: ComfyUI {comfy_s:.3f} s/step; floor failed: {row['floor_error']}")

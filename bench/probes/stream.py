@@ -37,15 +37,17 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]   # bench/probes/ (stream_*.py) and bench/ (common and its support)
-from common import COMFY, REPO, T0, env_info, fmt_num, gb, latent_shape, say, write_json  # noqa: E402
-from io_rates import h2d_rate, odirect_rate
-from model_file import (estimate_file, existing_file_ok, file_signature, install_nvfp4_fallback, wan_template,
-                        write_model)
-from stream_budget import Budget
-from stream_home import compute_note, plan_counts, run_home
+from common import COMFY, REPO, T0, env_info, gb, latent_shape, say, write_json  # noqa: E402
+from io_rates import h2d_rate, odirect_rate  # noqa: E402
+from model_file import (estimate_file, existing_file_ok, file_signature, install_nvfp4_fallback,  # noqa: E402
+                        wan_template, write_model)
+from stream_budget import Budget  # noqa: E402
+from stream_home import plan_counts, run_home  # noqa: E402
+from stream_report import judge, report  # noqa: E402
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """stream.py's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -85,8 +87,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, then stop")
-    a = ap.parse_args()
+    return ap
 
+
+def defaults(a) -> None:
+    """The sizes and counts left open: the full Wan-14B shape, or tiny ones with --small."""
     small = a.small
     a.layers = a.layers or (4 if small else 40)
     a.dim = a.dim or (256 if small else 5120)
@@ -103,6 +108,9 @@ def main() -> None:
     if a.dim % 128:
         raise SystemExit("--dim must be a multiple of 128 (ComfyUI derives num_heads = dim // 128)")
 
+
+def setup(a):
+    """ComfyUI on the device asked for, this repo linked as its custom node; (mm, quant_files, device)."""
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but torch sees no CUDA device (use --device cpu --small here)")
     if a.device == "cpu":
@@ -121,20 +129,13 @@ def main() -> None:
     dev = mm.get_torch_device()
     if dev.type != a.device:
         raise SystemExit(f"ComfyUI chose {dev}, asked for {a.device}")
+    return mm, qf, dev
 
-    env = env_info(dev)
-    say(f"stream.py on {env.get('gpu', 'CPU')}: torch {env['torch']}, ComfyUI {env.get('comfyui')}, "
-        f"comfy-kitchen {env.get('comfy_kitchen')}, commit {env.get('commit')}; RAM {env.get('mem_total_gb', 0):.0f} GB")
-    say(f"model: {a.layers} blocks, dim {a.dim}, ffn {a.ffn}, heads {a.dim // 128}; formats {a.formats}; "
-        f"tokens {a.tokens}; homes {a.homes}; window {a.window}, prefetch {a.prefetch}, pin {a.pin}, "
-        f"workers {a.workers}; ram {a.warmup}+{a.steps} steps, disk {a.disk_warmup}+{a.disk_steps} steps")
 
-    template = wan_template(a.layers, a.dim, a.ffn)
-    budget = Budget(a, a.layers)
+def estimate(a, template, budget: Budget, qf, dev: torch.device) -> None:
+    """Say up front how long each format's parts should take (reference rates)."""
     resident, streamed = plan_counts(a.layers, a.window, a.prefetch)
     say(f"plan: {resident} resident + {streamed} streamed blocks per step")
-
-    # ---- the estimate up front
     est_total = 0.0
     say("estimated time (H200 reference rates: write 1.0, O_DIRECT 1.0, cold read 1.4, pinning 1.4, "
         "link 51.7 GB/s; bf16 compute" + ("; meaningless on CPU)" if dev.type == "cpu" else ")"))
@@ -153,182 +154,146 @@ def main() -> None:
             + ", ".join(f"{k} {v:.0f} s" for k, v in parts.items()) + f" = {s:.0f} s")
     say(f"  total ~{est_total:.0f} s against --budget-s {a.budget_s:.0f}"
         + (" (configurations that would overrun are skipped)" if est_total > a.budget_s else ""))
+
+
+class StreamRun:
+    """The formats of one stream.py run: each one's file written (or reused), the disk's rate,
+    then each home measured; everything measured so far in --json after every measurement."""
+
+    def __init__(self, a, env: dict, h2d: dict, mm, qf, dev: torch.device, template, budget: Budget):
+        self.a, self.env, self.h2d, self.mm, self.qf, self.dev = a, env, h2d, mm, qf, dev
+        self.template, self.budget = template, budget
+        self.files, self.rows, self.skipped, self.kept, self.targets = {}, [], [], [], []
+
+    def save(self) -> None:
+        """Write --json now (again after every measurement: a run killed at its time limit
+        keeps what it measured)."""
+        write_json(self.a.json, {"env": self.env, "args": vars(self.a), "h2d": self.h2d, "files": self.files,
+                                 "rows": self.rows, "skipped": self.skipped, "targets": self.targets,
+                                 "elapsed_s": time.perf_counter() - T0})
+
+    def _skip(self, msg: str, fmt: str) -> None:
+        say(msg)
+        self.skipped.append({"format": fmt, "reason": msg})
+
+    def room_for(self, fmt: str, path: str, reuse: bool) -> bool:
+        """Whether `fmt`'s file may be written: within --max-files-gb and the time left."""
+        a, budget = self.a, self.budget
+        if reuse:
+            return True
+        if os.path.exists(path):
+            os.remove(path)
+        total_est, _ = estimate_file(fmt, self.template, self.qf)
+        on_disk = sum(os.path.getsize(p) for p in self.kept if os.path.exists(p))
+        if on_disk + total_est > a.max_files_gb * 1e9:
+            self._skip(f"SKIP {fmt}: {gb(total_est):.1f} GB more would put {gb(on_disk + total_est):.1f} GB "
+                       f"of model files on disk (--max-files-gb {a.max_files_gb:.0f}; drop --keep)", fmt)
+            return False
+        need = budget.write(total_est) + budget.odirect(total_est)
+        if need > budget.deadline_left():
+            self._skip(f"SKIP {fmt}: writing + O_DIRECT ~{need:.0f} s > {budget.deadline_left():.0f} s left "
+                       f"of --budget-s {a.budget_s:.0f}", fmt)
+            return False
+        return True
+
+    def file_info(self, fmt: str, path: str, reuse: bool) -> dict:
+        """The file of `fmt`: reused from an earlier run, or written now."""
+        a = self.a
+        if not reuse:
+            info = write_model(path, fmt, a, self.dev, self.qf, self.template,
+                               free_margin=int(a.free_margin_gb * 1e9))
+            self.budget.rates["write_gbps"] = info["write_gbps"]
+            return info
+        from safetensors import safe_open
+        with safe_open(path, framework="pt", device="cpu") as f:
+            n = len(f.keys())
+        total, blk = estimate_file(fmt, self.template, self.qf)
+        info = {"path": path, "format": fmt, "bytes": os.path.getsize(path), "tensors": n,
+                "blocks": a.layers, "block_bytes": blk, "reused": True}
+        say(f"  {fmt}: reusing {path} ({gb(info['bytes']):.2f} GB, written by an earlier run)")
+        return info
+
+    def run_format(self, fmt: str) -> None:
+        """One format: its file, the disk's O_DIRECT rate over it, then each home."""
+        a = self.a
+        path = os.path.join(a.dir, f"wan14b_shape_{fmt}.safetensors" if not a.small
+                            else f"wan_small_{fmt}.safetensors")
+        reuse = not a.no_reuse and existing_file_ok(path, file_signature(fmt, a))
+        if not self.room_for(fmt, path, reuse):
+            return
+        say(f"== {fmt}")
+        try:
+            info = self.file_info(fmt, path, reuse)
+            self.kept.append(path)
+            self.files[fmt] = info
+            od = odirect_rate(path, int(a.odirect_gb * 1e9), not a.no_odirect, a.drop)
+            info["odirect"] = od
+            if od["gbps"] > 0:
+                self.budget.rates["disk_gbps"] = od["gbps"]
+            say(f"  {fmt}: disk read {od['mode']}: {gb(od['bytes']):.2f} GB in {od['seconds']:.1f} s = "
+                f"{od['gbps']:.2f} GB/s")
+            self.save()
+            for home in a.homes:
+                run_home(fmt, home, info, a, self.dev, self.mm, self.budget, self.rows, self.skipped, self.save)
+        except Exception as e:   # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            say(f"  {fmt}: FAILED: {msg}")
+            self.files.setdefault(fmt, {})["error"] = msg
+        finally:
+            if not a.keep and os.path.exists(path):
+                os.remove(path)
+                say(f"  {fmt}: deleted {path}")
+
+    def run(self) -> None:
+        """Every format, then the files removed (unless --keep)."""
+        a = self.a
+        os.makedirs(a.dir, exist_ok=True)
+        for name in os.listdir(a.dir):
+            if name.endswith(".safetensors.tmp"):
+                os.remove(os.path.join(a.dir, name))
+        try:
+            for fmt in a.formats:
+                self.run_format(fmt)
+        finally:
+            if not a.keep:
+                for p in self.kept:
+                    if os.path.exists(p):
+                        os.remove(p)
+                try:
+                    os.rmdir(a.dir)
+                except OSError:
+                    pass
+
+
+def main() -> None:
+    a = parser().parse_args()
+    defaults(a)
+    mm, qf, dev = setup(a)
+    env = env_info(dev)
+    say(f"stream.py on {env.get('gpu', 'CPU')}: torch {env['torch']}, ComfyUI {env.get('comfyui')}, "
+        f"comfy-kitchen {env.get('comfy_kitchen')}, commit {env.get('commit')}; RAM {env.get('mem_total_gb', 0):.0f} GB")
+    say(f"model: {a.layers} blocks, dim {a.dim}, ffn {a.ffn}, heads {a.dim // 128}; formats {a.formats}; "
+        f"tokens {a.tokens}; homes {a.homes}; window {a.window}, prefetch {a.prefetch}, pin {a.pin}, "
+        f"workers {a.workers}; ram {a.warmup}+{a.steps} steps, disk {a.disk_warmup}+{a.disk_steps} steps")
+    template = wan_template(a.layers, a.dim, a.ffn)
+    budget = Budget(a, a.layers)
+    estimate(a, template, budget, qf, dev)
     if a.dry_run:
         return
-
-    # ---- the link
-    h2d = h2d_rate(dev, a.h2d_mib << 20)
+    h2d = h2d_rate(dev, a.h2d_mib << 20)   # the link
     if dev.type == "cuda":
         budget.rates["link_gbps"] = h2d["gbps"]
     say(f"{'pinned host->GPU' if h2d['pinned'] else 'host copy (CPU)'}: {a.h2d_mib} MiB, median of 5: "
         f"{h2d['gbps']:.1f} GB/s")
-
-    os.makedirs(a.dir, exist_ok=True)
-    for name in os.listdir(a.dir):
-        if name.endswith(".safetensors.tmp"):
-            os.remove(os.path.join(a.dir, name))
-    files, rows, skipped, kept = {}, [], [], []
-    targets: list = []
-
-    def save() -> None:
-        """Write --json now (again after every measurement: a run killed at its time limit
-        keeps what it measured)."""
-        write_json(a.json, {"env": env, "args": vars(a), "h2d": h2d, "files": files, "rows": rows,
-                            "skipped": skipped, "targets": targets, "elapsed_s": time.perf_counter() - T0})
-
-    try:
-        for fmt in a.formats:
-            path = os.path.join(a.dir, f"wan14b_shape_{fmt}.safetensors" if not small
-                                else f"wan_small_{fmt}.safetensors")
-            total_est, _ = estimate_file(fmt, template, qf)
-            sig = file_signature(fmt, a)
-            reuse = not a.no_reuse and existing_file_ok(path, sig)
-            if not reuse:
-                if os.path.exists(path):
-                    os.remove(path)
-                on_disk = sum(os.path.getsize(p) for p in kept if os.path.exists(p))
-                if on_disk + total_est > a.max_files_gb * 1e9:
-                    msg = (f"SKIP {fmt}: {gb(total_est):.1f} GB more would put {gb(on_disk + total_est):.1f} GB "
-                           f"of model files on disk (--max-files-gb {a.max_files_gb:.0f}; drop --keep)")
-                    say(msg)
-                    skipped.append({"format": fmt, "reason": msg})
-                    continue
-                need = budget.write(total_est) + budget.odirect(total_est)
-                if need > budget.deadline_left():
-                    msg = (f"SKIP {fmt}: writing + O_DIRECT ~{need:.0f} s > {budget.deadline_left():.0f} s left "
-                           f"of --budget-s {a.budget_s:.0f}")
-                    say(msg)
-                    skipped.append({"format": fmt, "reason": msg})
-                    continue
-            say(f"== {fmt}")
-            try:
-                if reuse:
-                    from safetensors import safe_open
-                    with safe_open(path, framework="pt", device="cpu") as f:
-                        n = len(f.keys())
-                    total, blk = estimate_file(fmt, template, qf)
-                    info = {"path": path, "format": fmt, "bytes": os.path.getsize(path), "tensors": n,
-                            "blocks": a.layers, "block_bytes": blk, "reused": True}
-                    say(f"  {fmt}: reusing {path} ({gb(info['bytes']):.2f} GB, written by an earlier run)")
-                else:
-                    info = write_model(path, fmt, a, dev, qf, template,
-                                       free_margin=int(a.free_margin_gb * 1e9))
-                    budget.rates["write_gbps"] = info["write_gbps"]
-                kept.append(path)
-                files[fmt] = info
-                od = odirect_rate(path, int(a.odirect_gb * 1e9), not a.no_odirect, a.drop)
-                info["odirect"] = od
-                if od["gbps"] > 0:
-                    budget.rates["disk_gbps"] = od["gbps"]
-                say(f"  {fmt}: disk read {od['mode']}: {gb(od['bytes']):.2f} GB in {od['seconds']:.1f} s = "
-                    f"{od['gbps']:.2f} GB/s")
-                save()
-                for home in a.homes:
-                    run_home(fmt, home, info, a, dev, mm, budget, rows, skipped, save)
-            except Exception as e:   # noqa: BLE001
-                import traceback
-                traceback.print_exc()
-                msg = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-                say(f"  {fmt}: FAILED: {msg}")
-                files.setdefault(fmt, {})["error"] = msg
-            finally:
-                if not a.keep and os.path.exists(path):
-                    os.remove(path)
-                    say(f"  {fmt}: deleted {path}")
-    finally:
-        if not a.keep:
-            for p in kept:
-                if os.path.exists(p):
-                    os.remove(p)
-            try:
-                os.rmdir(a.dir)
-            except OSError:
-                pass
-
-    # ---- targets
-    for r in rows:
-        if "error" in r:
-            continue
-        if r["home"] == "disk":
-            od = files.get(r["format"], {}).get("odirect", {}).get("gbps")
-            if r.get("odirect_now"):   # measured next to the row: the better reference
-                od = max(x["gbps"] for x in r["odirect_now"])
-            if od and r.get("read_gbps") is not None:
-                r["odirect_ref_gbps"] = od
-                r["read_vs_odirect"] = r["read_gbps"] / od
-                targets.append({"format": r["format"], "home": "disk", "tokens": r["tokens"],
-                                "what": "disk read rate / O_DIRECT rate", "value": r["read_vs_odirect"],
-                                "pass": r["read_vs_odirect"] >= a.target})
-        else:
-            r["h2d_vs_pinned"] = r["h2d_gbps"] / h2d["gbps"]
-            r["copy_vs_pinned"] = r["copy_gbps"] / h2d["gbps"]
-            if r["tokens"] == a.ram_target_tokens:
-                targets.append({"format": r["format"], "home": "ram", "tokens": r["tokens"],
-                                "what": "host->GPU bytes per step wall / pinned rate", "value": r["h2d_vs_pinned"],
-                                "pass": r["h2d_vs_pinned"] >= a.target,
-                                "note": f"copy stream alone {100 * r['copy_vs_pinned']:.0f}% "
-                                        f"({r['copy_gbps']:.1f} GB/s while copying)" + compute_note(r, h2d)})
-
-    # ---- report
-    print("\n| format | file GB | O_DIRECT GB/s | write GB/s |", flush=True)
-    print("| --- | --- | --- | --- |")
-    for fmt, f in files.items():
-        if "error" in f and "bytes" not in f:
-            print(f"| {fmt} | error: {f['error']} | | |")
-            continue
-        od = f.get("odirect", {})
-        print(f"| {fmt} | {gb(f['bytes']):.2f} | {fmt_num(od.get('gbps'))} ({od.get('mode', '—')}) | "
-              f"{'reused' if f.get('reused') else fmt_num(f.get('write_gbps'))} |")
-    print(f"\npinned host->GPU: {h2d['gbps']:.1f} GB/s ({a.h2d_mib} MiB, median of 5)"
-          if h2d["pinned"] else f"\nhost copy (no GPU): {h2d['gbps']:.1f} GB/s")
-    print("\n| format | home | tokens | s/step (median) | copy GB/s | read GB/s (vs O_DIRECT) "
-          "| host->GPU GB/s per step (vs pinned) | load s (GB/s) + load_models_gpu s | RSS before -> peak GB | VmHWM GB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['format']} | {r['home']} | {r.get('tokens', '—')} | error: {r['error'][:120]} | | | | | | |")
-            continue
-        read = (f"{r['read_gbps']:.2f} ({100 * r['read_vs_odirect']:.0f}% of {r['odirect_ref_gbps']:.2f})"
-                if r.get("read_vs_odirect") is not None
-                else "—")
-        h2 = (f"{r['h2d_gbps']:.1f} ({100 * r['h2d_vs_pinned']:.0f}%)" if r["home"] == "ram" else
-              f"{r['h2d_gbps']:.1f}")
-        load = (f"{r['load_s']:.1f}" + (f" ({r['load_gbps']:.2f})" if r.get("load_gbps") else "")
-                + f" + {r['attach_s']:.1f}")
-        if r["home"] == "disk" and r.get("disk_bound_s_per_step"):
-            load += f"; steady ~{r['disk_bound_s_per_step']:.2f} s/step"
-        print(f"| {r['format']} | {r['home']} | {r['tokens']} | {r['median_s']:.3f} | {r['copy_gbps']:.1f} | {read} "
-              f"| {h2} | {load} | {gb(r['rss_before_load']):.1f} -> {gb(r.get('rss_peak_config', r['rss_peak'])):.1f} "
-              f"| {gb(r['vmhwm'] or 0):.1f} |")
-    disk_rows = [r for r in rows if r.get("home") == "disk" and "error" not in r]
-    if disk_rows:
-        print("\nhome=disk host RAM growth during the run (peak RSS - RSS before load) vs the issue's bound "
-              "(window + prefetch + disk_workers) blocks:")
-        for r in disk_rows:
-            grow = r.get("rss_peak_config", r["rss_peak"]) - r["rss_before_load"]
-            print(f"- {r['format']} tokens={r['tokens']}: {gb(grow):.2f} GB vs {gb(r['rss_bound_bytes']):.2f} GB "
-                  f"({grow / r['block_bytes']:.1f} of {r['rss_bound_bytes'] // r['block_bytes']} blocks)")
-    if skipped:
-        print("\nskipped:")
-        for s in skipped:
-            print(f"- {s['reason']}")
-    print("\ntargets (issue 3):")
-    if not targets:
-        print("- none measured")
-    for t in targets:
-        print(f"- {'PASS' if t['pass'] else 'FAIL'} {t['format']} home={t['home']} tokens={t['tokens']}: "
-              f"{t['what']} = {100 * t['value']:.0f}% (target >= {100 * a.target:.0f}%)"
-              + (f"; {t['note']}" if t.get("note") else ""))
-    methods = sorted({r.get("load_cache_drop") for r in rows if r.get("load_cache_drop")}
-                     | {r.get("cache_drop") for r in rows if r.get("cache_drop")})
-    print(f"page cache dropped with: {', '.join(methods) or '—'}; total {time.perf_counter() - T0:.0f} s", flush=True)
+    run = StreamRun(a, env, h2d, mm, qf, dev, template, budget)
+    run.run()
+    run.targets.extend(judge(run.rows, run.files, h2d, a))
+    report(a, run.files, run.rows, run.skipped, run.targets, h2d)
     if a.json:
-        save()
+        run.save()
         say(f"wrote {a.json}")
-
-
-if __name__ == "__main__":
-    main()
 
 
 if __name__ == "__main__":
