@@ -15,9 +15,10 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from . import home, placement
+from . import placement
 from .facts import engine_facts
 from .home_policy import home_policy
+from .homes import Home, home_of, pump
 from .hooks import BlockHooks
 from .host_pool import HostPool
 from .layout import BlockLayout
@@ -28,21 +29,16 @@ from .resident_folds import fold_resident
 from .slot_ring import Slot, SlotRing
 from .coding import Coding, coding_for, keep_coder
 from .plane_coder import PlaneCoder
-from .sources import CodedSource, FileSource, RamSource
+from .ram_homes import capture_resident, ensure, lock_early, read_homes, read_progress, settle
 from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, warm, writes_blocks
 from .stats import RunStats
 
 log = logging.getLogger("ringswap.engine")
 
 
-
 class BlockSwapEngine:
-    """`home="ram"`: every block has a host copy (taken from the module's tensors, or read
-    once through `read_block`). `home="disk"`: blocks are read through `read_block` into a
-    few staging buffers ahead of need and never held in host RAM as a whole. `home="auto"`:
-    per attachment, the streamed blocks named in `ram_blocks` get a host copy (read from the
-    file when they have none), the other streamed blocks are read from the file every time
-    they land, and resident blocks keep no host copy once placed."""
+    """Blocks read through `read_block` (or, without one, held by the modules) with homes as the
+    `home` setting says (swap/home_policy.py): which blocks keep a RAM home, which read the file."""
 
     def __init__(self, blocks: list[nn.Module], read_block: ReadFn | None = None,
                  home: str = "ram", disk_workers: int = 4):
@@ -97,7 +93,7 @@ class BlockSwapEngine:
         reads); calls progress(done_bytes, total_bytes). Returns the bytes read."""
         if not self.homes.every_block or self.read_block is None:
             return 0
-        return home.read_homes(self.states, self.pool, self.read_block, progress)
+        return read_homes(self.states, self.pool, self.read_block, progress)
 
     @property
     def home(self) -> str:
@@ -106,15 +102,6 @@ class BlockSwapEngine:
     def ram_homes(self, plan: ResidencyPlan, ram_blocks: Iterable[int] | None = None) -> frozenset[int]:
         """The blocks that hold a host copy while `plan` is attached (swap.home_policy)."""
         return self.homes.ram_homes(self.num_blocks, plan, ram_blocks)
-
-    def _ensure_home(self, keep: frozenset[int], progress: Callable[[int, int], None] | None = None) -> int:
-        """The blocks in `keep` have an exact-size host home holding their weights (home=ram:
-        all, from the reader or the modules' own tensors; auto: read back from the file).
-        Returns the bytes read from the file."""
-        if self.homes.every_block and self.read_block is None:   # a resident block kept by reattach stays put
-            home.capture([s for s in self.states if s.device_buffer is None], self.pool)
-            return 0
-        return home.read_homes([self.states[i] for i in sorted(keep)], self.pool, self.read_block, progress)
 
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, load_plan: LoadPlan, owner: object = None,
@@ -151,9 +138,9 @@ class BlockSwapEngine:
             self.detach()
         t0 = time.perf_counter()
         placing = [i for i in plan.resident if self.states[i].device_buffer is None]
-        report = home.read_progress(self.states, self.pool, keep | set(placing), progress) \
+        report = read_progress(self.states, self.pool, keep | set(placing), progress) \
             if self.read_block is not None else None
-        read_back = self._ensure_home(keep, report)
+        read_back = ensure(self.states, self.pool, self.read_block, keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
         att = Attachment(device, plan, "", pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
         att.compress, att.may_code, att.resident_work = compress, may_code, resident_work
@@ -162,7 +149,7 @@ class BlockSwapEngine:
         homed = [i for i in plan.streamed if i in keep]
         if compress:
             self.coding.code_homes(self.states, self.pool, homed, self.link_bytes_per_s)
-        pinning = home.lock_early(self.pool, device, pin_memory, homed)
+        pinning = lock_early(self.pool, device, pin_memory, homed)
         read_back = self._place_and_prime(att, placing, file_streamed, read_back, report, pinning)
         self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
         log.debug("attached on %s: %s, %s memory", device, plan.describe(), att.memory)
@@ -180,7 +167,7 @@ class BlockSwapEngine:
             read_back = placement.place_all(self.states, self.pool, att, placing, read_back, report, self.coding)
             if pinning is not None:
                 pinning.join()
-            home.settle(self.homes, self.states, self.pool, att)
+            settle(self.homes, self.states, self.pool, att)
             if plan.streamed:
                 self._hook_streamed(att)
             self.att = att
@@ -200,17 +187,14 @@ class BlockSwapEngine:
         return read_back
 
     def _hook_streamed(self, att: Attachment) -> None:
-        """The ring, the streamed blocks' sources and hooks; their parameters point at stand-ins."""
+        """The ring, the coded homes' decode scratch and the streamed blocks' hooks; their parameters
+        point at stand-ins."""
         plan, device = att.plan, att.device
         nbytes = max(self.states[i].layout.nbytes for i in plan.streamed)
         att.ring = SlotRing(plan.ring_slots, nbytes, device, staging=att.memory == "staged",
                             pin_staging=device.type == "cuda", dense_bytes=dense_bytes(att.on_land, plan.streamed))
-        att.ram = RamSource(self, att)
-        if att.readahead is not None:
-            att.file = FileSource(self, att, att.ring)
-        if any(i in self.pool.coded for i in plan.streamed):
+        if self.coding is not None:
             self.coding.make_scratch(self.pool, plan.streamed)
-            att.coded = CodedSource(self, att)
         for i in plan.streamed:
             self.states[i].unbind(device)
         att.hooks = BlockHooks([s.block for s in self.states], list(plan.streamed),
@@ -233,7 +217,7 @@ class BlockSwapEngine:
             if self.homes.splits_ram and capture_bytes > 0 and not writes_blocks(att.on_land):
                 coding = keep_coder(self.coding, self.coder_factory, att)
                 self.coding = self.coding if coding is None else coding
-                home.capture_resident(self.states, self.pool, att.plan.resident, capture_bytes, coding)
+                capture_resident(self.states, self.pool, att.plan.resident, capture_bytes, coding)
         finally:
             if att.readahead is not None:
                 att.readahead.release_all()
@@ -246,10 +230,7 @@ class BlockSwapEngine:
                     continue
                 s.device_buffer = None
                 s.slot = None
-                if s.index in self.pool.blocks:
-                    s.binding.bind(s.layout.views(self.pool.blocks[s.index].flat))
-                else:   # the weights live only in the file
-                    s.unbind(torch.device("cpu"))
+                self._home(s.index).detach()
             if att.ring is not None:
                 att.ring.release()
             if self.coding is not None:
@@ -265,16 +246,19 @@ class BlockSwapEngine:
         self.pool.release()
 
     # ----- the block loop --------------------------------------------------------------
+    def _home(self, block: int) -> Home:
+        """`block`'s home, derived from the pool (swap/homes.py)."""
+        return home_of(self.states, self.pool, block, self.coding)
+
     def _issue(self, block: int, slot: Slot) -> None:
-        """Give `slot` to `block` and start filling it from the block's source once the
+        """Give `slot` to `block` and have the block's home start landing it there once the
         previous owner is done."""
         att = self.att
         slot.owner = block
         slot.landed, slot.replaced = False, None
         att.stats.copies += 1
         att.stats.bytes_copied += self.states[block].layout.nbytes
-        source = att.coded if block in self.pool.coded else att.ram if block in self.pool.blocks else att.file
-        source.start(block, slot)
+        self._home(block).start(slot, att)
 
     def _before_block(self, block: int) -> None:
         att = self.att
@@ -284,8 +268,7 @@ class BlockSwapEngine:
             att.stats.unplanned += 1
             slot = att.ring.victim(att.upcoming()[:-1])
             self._issue(block, slot)
-        if slot.reading:
-            att.file.finish(slot, wait=True)
+        self._home(block).finish(slot, att)
         att.copier.compute_wait(slot.ready, block if self.in_order else None)
         s = self.states[block]
         s.slot = slot
@@ -312,16 +295,12 @@ class BlockSwapEngine:
             return
         slot.free = att.copier.record_compute(block)
         upcoming = att.upcoming()
-        if block in upcoming[:len(att.ring.slots)]:   # called again soon (e.g. the next VACE context): keep it
-            if att.file is not None:
-                att.file.pump()
-            return
         owned = set(att.ring.owners())
         nxt = next((b for b in upcoming if b not in owned), None)
-        if nxt is not None:
+        if nxt is not None and block not in upcoming[:len(att.ring.slots)]:   # else called again soon: kept
             self._issue(nxt, slot)
-        elif att.file is not None:
-            att.file.pump()
+        else:   # the file's reads go on (none without a read-ahead)
+            pump(att, self.states, self.pool)
 
     # ----- runs ------------------------------------------------------------------------
     def begin_call(self) -> None:

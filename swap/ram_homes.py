@@ -1,8 +1,10 @@
-"""Blocks' homes in host RAM: one exact-size buffer per block, and how copies leave it.
+"""The RAM homes as a set: read from the file up front, captured, page-locked and settled.
 
-A home is filled once from a reader (parallel reads) or captured from the module's own
-tensors, and its block's parameters point into it; `copy_memory` page-locks the streamed
-blocks' homes where it can and otherwise falls back to a pinned staging ring.
+Homes are read from a reader in parallel (`read_homes`) or captured from the modules' own
+tensors or, at a detach, from the device (each block's home does its part: swap/homes.py), and
+their blocks' parameters point into them; `settle` page-locks the streamed blocks' homes where
+it can (else copies go through a pinned staging ring) and drops the homes an attachment does
+not keep.
 """
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ from typing import Callable
 
 import torch
 
+from .coding import Coding
+from .home_policy import HomePolicy
+from .homes import CodedHome, RamHome, home_of
 from .host_pool import HostPool
 from .page_out import FileMaps
 from .staged_copy import PinnedChunks
+from .state import Attachment, BlockState
 
-log = logging.getLogger("ringswap.home")
+log = logging.getLogger("ringswap.ram_homes")
 
 
 def read_progress(states: list, pool: HostPool, blocks: set[int],
@@ -74,6 +80,18 @@ def read_homes(states: list, pool: HostPool, read_block: Callable,
         raise
 
 
+def ensure(states: list[BlockState], pool: HostPool, read_block: Callable | None, keep: frozenset[int],
+           progress: Callable[[int, int], None] | None = None) -> int:
+    """The blocks in `keep` have an exact-size RAM home holding their weights: read from the file
+    (home=ram: all, auto: read back), or without a reader captured from the modules' own tensors
+    (every block not on the device: a resident block kept by reattach stays put). Returns the
+    bytes read from the file."""
+    if read_block is None:
+        capture(states, pool, [s.index for s in states if s.device_buffer is None])
+        return 0
+    return read_homes([states[i] for i in sorted(keep)], pool, read_block, progress)
+
+
 def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int]) -> threading.Thread | None:
     """Page-lock the streamed blocks' RAM homes on a thread of its own while the resident
     blocks are placed (an expert switch reads and pins at once); `settle` pins what is left."""
@@ -85,26 +103,17 @@ def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: 
     return t
 
 
-def capture(states: list, pool: HostPool) -> None:
-    """Give every block a home holding its current weights and point its parameters there;
-    re-captures a block whose tensors were replaced from outside (e.g. another loader
+def capture(states: list[BlockState], pool: HostPool, blocks: list[int]) -> None:
+    """Give each of `blocks` a home holding its module's current weights and point its parameters
+    there; re-captures a block whose tensors were replaced from outside (e.g. another loader
     moved the shared model)."""
     maps = FileMaps()   # a model mapped from its file: give back each block's pages once copied
-    for s in states:
-        if s.index in pool.coded:   # kept coded: its weights are not in the module
-            continue
-        buf = pool.blocks.get(s.index)
-        current = s.binding.current()
-        if buf is not None and current[0].data_ptr() == buf.flat.data_ptr():
-            continue
-        if buf is None:
-            buf = pool.add(s.index, s.layout.nbytes)
-        s.layout.pack(current, buf.flat)
-        s.binding.bind(s.layout.views(buf.flat))
-        maps.page_out(current)
+    for i in blocks:
+        home_of(states, pool, i).capture(maps)
 
 
-def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nbytes: int, coding=None) -> None:
+def capture_resident(states: list[BlockState], pool: HostPool, resident: tuple[int, ...], nbytes: int,
+                     coding: Coding | None = None) -> None:
     """Give resident blocks without a home one copied from the device, in order, while they fit
     in `nbytes` (stops where memory runs out): with `coding` (swap/coding.py) coded ones, so an
     expert switch holds and places them at their coded size; raw ones without it, or from where
@@ -116,9 +125,9 @@ def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nb
             if s.device_buffer is None or pool.has(i):
                 continue
             try:
-                kept = _keep_coded(coding, s, pool, nbytes - done, chunks) if coding is not None else None
+                kept = CodedHome.encode(coding, s, pool, nbytes - done, chunks) if coding is not None else None
                 if kept is None:
-                    coding, kept = None, _keep_raw(s, pool, chunks, nbytes - done)
+                    coding, kept = None, RamHome.download(s, pool, chunks, nbytes - done)
                 else:
                     coded += kept
                 done += kept
@@ -130,37 +139,19 @@ def capture_resident(states: list, pool: HostPool, resident: tuple[int, ...], nb
                  "%.2f s; room %.2f GB)", done / 1e9, coded / 1e9, time.perf_counter() - t0, nbytes / 1e9)
 
 
-def _keep_coded(coding, s, pool: HostPool, room: int, chunks: PinnedChunks) -> int | None:
-    """`coding.keep`; None where the block does not shrink enough to pay or the device has no
-    memory to code it (the caller keeps it, and the rest, raw)."""
-    try:
-        return coding.keep(s, pool, room, chunks)
-    except torch.cuda.OutOfMemoryError as e:
-        log.info("RingSwap: no device memory to code the kept resident blocks (%s); kept raw", e)
-        return None
-
-
-def _keep_raw(s, pool: HostPool, chunks: PinnedChunks, room: int) -> int:
-    """A raw home for resident block `s`, downloaded from the device; its bytes (0: no room)."""
-    if s.layout.nbytes > room:
-        return 0
-    chunks.download(s.device_buffer, pool.add(s.index, s.layout.nbytes).flat)
-    return s.layout.nbytes
-
-
-def settle(policy, states: list, pool: HostPool, att) -> None:
+def settle(policy: HomePolicy, states: list[BlockState], pool: HostPool, att: Attachment) -> None:
     """After an attachment's placement: how its streamed copies leave host memory (page-locking
     the RAM homes that stream; "disk" where all come from the file), and where the home `policy`
-    splits RAM no host copy of a resident block."""
+    splits RAM, each home the attachment does not keep drops itself (no host copy of a resident
+    block) and a read-ahead no streamed block needs goes."""
     keep, plan = att.ram_homes, att.plan
     from_ram = [i for i in plan.streamed if i in keep]
     file_streamed = len(from_ram) < len(plan.streamed)
     att.memory = "disk" if policy.keeps_none or (file_streamed and not from_ram) else \
         copy_memory(states, pool, att.device, from_ram, att.pin_memory)
     if policy.splits_ram:
-        for i in set(pool.blocks) | set(pool.coded):
-            if i not in keep:
-                pool.drop(i)
+        for s in states:
+            home_of(states, pool, s.index).settle(s.index in keep)
         if not file_streamed and att.readahead is not None:
             att.readahead.release_all()
             att.readahead = None

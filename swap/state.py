@@ -2,8 +2,8 @@
 
 A BlockState says where its block's weights are (home, resident buffer or ring slot); an
 Attachment holds everything that exists only while the engine is attached: the plan, the
-copy stream, the ring, the file read-ahead and the blocks' sources, the hooks, the learned call order and the
-run's stats.
+copy stream, the ring, the file read-ahead, the hooks, the learned call order and the run's stats.
+A block's home (swap/homes.py) is not held here: it is derived from the HostPool when asked.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from .layout import BlockBinding, BlockLayout
 from .residency import ResidencyPlan
 from .read_ahead import ReadAhead
 from .slot_ring import Slot, SlotRing
-from .sources import CodedSource, FileSource, RamSource
 from .stats import RunStats
 from .transfer import CopyStream
 
@@ -109,9 +108,6 @@ class Attachment:
         self.copier = CopyStream(device)
         self.ring: SlotRing | None = None
         self.readahead: ReadAhead | None = None
-        self.ram: RamSource | None = None      # sources of the streamed blocks (swap/sources.py)
-        self.file: FileSource | None = None
-        self.coded: CodedSource | None = None
         self.compress = False       # streamed RAM homes are kept coded (swap/coding.py)
         self.may_code = False       # resident blocks kept in RAM at detach are coded (coding.keep_coder)
         self.hooks: BlockHooks | None = None

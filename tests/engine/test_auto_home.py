@@ -213,8 +213,8 @@ def test_capture_from_a_file_mapping_gives_its_pages_back(tmp_path, monkeypatch,
     touched = _rss_file()
     engine = BlockSwapEngine(list(blocks), home="ram")
     maps = po.FileMaps() if page_out else po.FileMaps(ranges=[])
-    from ringswap.swap import home
-    monkeypatch.setattr(home, "FileMaps", lambda: maps)   # the capture's file mappings: these
+    from ringswap.swap import ram_homes
+    monkeypatch.setattr(ram_homes, "FileMaps", lambda: maps)   # the capture's file mappings: these
     engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1)))
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
