@@ -91,9 +91,8 @@ class BlockSwapEngine:
     def fill_home(self, progress: Callable[[int, int], None] | None = None) -> int:
         """home=ram with a reader: read every block once into its host buffer (parallel
         reads); calls progress(done_bytes, total_bytes). Returns the bytes read."""
-        if not self.homes.every_block or self.read_block is None:
-            return 0
-        return read_homes(self.states, self.pool, self.read_block, progress)
+        every = self.homes.every_block and self.read_block is not None
+        return read_homes(self.states, self.pool, self.read_block, progress) if every else 0
 
     @property
     def home(self) -> str:
@@ -187,8 +186,7 @@ class BlockSwapEngine:
         return read_back
 
     def _hook_streamed(self, att: Attachment) -> None:
-        """The ring, the coded homes' decode scratch and the streamed blocks' hooks; their parameters
-        point at stand-ins."""
+        """The ring, the coded homes' decode scratch, the streamed blocks' hooks and stand-ins."""
         plan, device = att.plan, att.device
         nbytes = max(self.states[i].layout.nbytes for i in plan.streamed)
         att.ring = SlotRing(plan.ring_slots, nbytes, device, staging=att.memory == "staged",
@@ -219,20 +217,13 @@ class BlockSwapEngine:
                 self.coding = self.coding if coding is None else coding
                 capture_resident(self.states, self.pool, att.plan.resident, capture_bytes, coding)
         finally:
-            if att.readahead is not None:
-                att.readahead.release_all()
-            if att.hooks is not None:
-                att.hooks.remove()
-            if att.resident_folds is not None:
-                att.resident_folds.remove()
+            att.release()
             for s in self.states:
                 if s.index in kept:
                     continue
                 s.device_buffer = None
                 s.slot = None
                 self._home(s.index).detach()
-            if att.ring is not None:
-                att.ring.release()
             if self.coding is not None:
                 self.coding.release()
             if self.homes.splits_ram and unpin:   # a model not on the device holds no pinned memory
@@ -251,8 +242,7 @@ class BlockSwapEngine:
         return home_of(self.states, self.pool, block, self.coding)
 
     def _issue(self, block: int, slot: Slot) -> None:
-        """Give `slot` to `block` and have the block's home start landing it there once the
-        previous owner is done."""
+        """Give `slot` to `block`; the block's home lands it there once the previous owner is done."""
         att = self.att
         slot.owner = block
         slot.landed, slot.replaced = False, None
@@ -288,9 +278,8 @@ class BlockSwapEngine:
     def _after_block(self, block: int) -> None:
         att = self.att
         s = self.states[block]
-        slot = s.slot
+        slot, s.slot = s.slot, None
         s.unbind()
-        s.slot = None
         if slot is None or slot.owner != block:
             return
         slot.free = att.copier.record_compute(block)

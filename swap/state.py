@@ -132,6 +132,18 @@ class Attachment:
         held = sum(size(i) for i in self.plan.resident if i not in per_call) if size is not None else 0
         return slots + sets + held
 
+    def release(self) -> None:
+        """Take down the file reads, the hooks (the resident folds' binding back what they replaced)
+        and the ring; the copies are drained first (BlockSwapEngine.detach)."""
+        if self.readahead is not None:
+            self.readahead.release_all()
+        if self.hooks is not None:
+            self.hooks.remove()
+        if self.resident_folds is not None:
+            self.resident_folds.remove()
+        if self.ring is not None:
+            self.ring.release()
+
     def upcoming(self) -> list[int]:
         """Streamed blocks in call order after the last one called (wrapping)."""
         return self.order.upcoming()
