@@ -8,7 +8,7 @@ from ..loaders.comfyui_adapter.gguf_file import model_names
 from ..loaders.comfyui_adapter.live_feed import progress_bar
 from ..loaders.comfyui_adapter.load_swapped import cached_swapped_base
 from ..loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
-from ..loaders.model_file.block_reader import file_identity
+from ..loaders.model_file.range_reader import file_identity
 from ..swap import PIN_MODES
 from .patch import BUDGET_TIP, COMPRESS_TIP, PIN_TIP, PREFETCH_TIP, WINDOW_TIP
 

@@ -3,8 +3,9 @@
 A few host buffers (pinned when possible) that blocks are read into ahead of need by a
 reader's worker threads, then copied to their GPU slot. A buffer is reused only after
 its copy has landed (event), so host memory for streamed blocks stays at
-`count` buffers however long the run. The reader is any callable
-`read(index, dest) -> Future` filling `dest` (uint8) with the block's bytes.
+`count` buffers however long the run. The reads go through the engine's `read_block`, any
+callable `read_block(index, dest) -> Future` filling `dest` (uint8) with the block's bytes
+(the loader's: loaders/model_file/block_reads.py, BlockReads.read_block).
 """
 from __future__ import annotations
 

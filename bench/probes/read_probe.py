@@ -41,11 +41,11 @@ def block_ranges(path: str, limit: int) -> list[list[tuple[int, int, int]]]:
 
 def reader_rate(path: str, blocks: list, workers: int, pinned: bool) -> dict:
     """Blocks read one after another, two in flight (as an attach's read-ahead does)."""
-    from ringswap.loaders.model_file.block_reader import BlockReader
+    from ringswap.loaders.model_file.range_reader import RangeReader
     size = max(sum(n for _, n, _ in r) for r in blocks)
     bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
     drop = drop_page_cache(path, "auto")
-    with BlockReader(path, workers=workers) as r:
+    with RangeReader(path, workers=workers) as r:
         t0 = time.perf_counter()
         pending = []
         for i, ranges in enumerate(blocks):

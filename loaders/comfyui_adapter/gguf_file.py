@@ -18,8 +18,8 @@ import comfy.sd
 import folder_paths
 
 from ...swap.layout import BlockLayout
-from ..model_file.block_reader import BlockReader
-from ..model_file.block_source import BlockSource
+from ..model_file.block_reads import BlockReads
+from ..model_file.range_reader import RangeReader
 from ..model_file.safetensors_index import TensorInfo
 from .comfy_server import node_class
 from .file_names import FileNames, comfy_prefix
@@ -93,7 +93,7 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 @dataclass
 class GgufIndex:
     """Where each block tensor's bytes lie in the GGUF file, by ComfyUI's key, as the
-    safetensors BlockSource reads them: quantized tensors as the raw bytes the pack's model
+    safetensors BlockReads reads them: quantized tensors as the raw bytes the pack's model
     holds, float tensors with their file dtype (cast on read where the model holds another,
     as ComfyUI's load copies them). `unreadable`: block tensors the file does not give as
     either (under no name the file has, or converted otherwise by the pack)."""
@@ -129,15 +129,15 @@ def gguf_index(path: str, blocks: list[nn.Module], block_keys: list[str], model_
     return index
 
 
-def block_source(path: str, reader: BlockReader, blocks: list[nn.Module], block_keys: list[str],
-                 home: str, model_config) -> BlockSource | None:
-    """The file source of the blocks (`block_keys`: ComfyUI's key prefix of each); None for
-    home=ram where block tensors cannot be read from the file (GgufIndex.unreadable): the homes
-    are then copied from the pack's model once. ValueError naming the file and a tensor for
-    home disk or auto there."""
+def block_reads(path: str, reader: RangeReader, blocks: list[nn.Module], block_keys: list[str],
+                home: str, model_config) -> BlockReads | None:
+    """The BlockReads of the blocks from the file (`block_keys`: ComfyUI's key prefix of each);
+    None for home=ram where block tensors cannot be read from the file (GgufIndex.unreadable):
+    the homes are then copied from the pack's model once. ValueError naming the file and a
+    tensor for home disk or auto there."""
     index = gguf_index(path, blocks, block_keys, model_config)
     if not index.unreadable:
-        return BlockSource(index, reader, blocks, block_keys)
+        return BlockReads(index, reader, blocks, block_keys)
     if home == "ram":
         return None
     what = index.unreadable[0] + (" and more" if len(index.unreadable) > 1 else "")

@@ -20,8 +20,8 @@ import comfy.model_patcher
 
 from ...swap import BlockSwapEngine
 from ...swap.host_pool import mapped_allocations
-from ..model_file.block_reader import BlockReader, FileChangedError, file_identity
-from ..model_file.block_source import BlockSource
+from ..model_file.block_reads import BlockReads
+from ..model_file.range_reader import FileChangedError, RangeReader, file_identity
 from ..model_file.safetensors_index import SafetensorsIndex
 from . import comfy_models, gguf_file, gguf_tensors
 from .block_lists import ALL_NAMES, find_block_lists
@@ -84,8 +84,8 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
         patcher = gguf_file.load_gguf_model(path)
         gguf_tensors.register_for(patcher.model.diffusion_model)
 
-        def make_source(reader, blocks, keys):
-            return gguf_file.block_source(path, reader, blocks, keys, home, patcher.model.model_config)
+        def make_reads(reader, blocks, keys):
+            return gguf_file.block_reads(path, reader, blocks, keys, home, patcher.model.model_config)
     else:
         index = SafetensorsIndex.open(path)
         with mapped_allocations():
@@ -93,24 +93,24 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
         patcher = comfy.model_patcher.ModelPatcher(skeleton.model, load_device=skeleton.load_device,
                                                    offload_device=skeleton.offload_device)
 
-        def make_source(reader, blocks, keys):
-            return BlockSource(index, reader, blocks, keys, skeleton.names.file_key)
+        def make_reads(reader, blocks, keys):
+            return BlockReads(index, reader, blocks, keys, skeleton.names.file_key)
     dm = patcher.model.diffusion_model
     lists = find_block_lists(dm, path)
     blocks = [b for _, bl in lists for b in bl]
     keys = [f"{name}.{j}." for name, bl in lists for j in range(len(bl))]
-    reader = BlockReader(path, workers=disk_workers)
+    reader = RangeReader(path, workers=disk_workers)
     engine = None
     try:
         if reader.identity != identity:
             raise FileChangedError(f"RingSwap: {path} changed on disk while the model was loaded from it; "
                                    "load it again once it is written")
-        source = make_source(reader, blocks, keys)
-        if source is None:   # homes copied from the model's own tensors at the first attach
+        reads = make_reads(reader, blocks, keys)
+        if reads is None:   # homes copied from the model's own tensors at the first attach
             reader.close()
         else:
-            weakref.finalize(dm, source.close)
-        engine = BlockSwapEngine(blocks, read_block=source.read if source else None, home=home,
+            weakref.finalize(dm, reads.close)
+        engine = BlockSwapEngine(blocks, read_block=reads.read_block if reads else None, home=home,
                                  disk_workers=disk_workers)
         SwapState.install(dm, engine)
         if home == "ram":

@@ -124,7 +124,7 @@ def _check_blocks_complete(sd: dict, list_names: tuple[str, ...], path: str) -> 
     """Block 0 of every list must have each tensor that all the list's other blocks have:
     ComfyUI's detection reads block 0 and would fail with a bare KeyError. (Blocks may
     differ otherwise: VACE's first vace block alone has `before_proj`, SD3's last joint
-    block has fewer; a tensor missing from any other block is named by BlockSource, which
+    block has fewer; a tensor missing from any other block is named by BlockReads, which
     checks every block against its module.)"""
     blocks: dict[tuple[str, int], set[str]] = {}
     for key in sd:

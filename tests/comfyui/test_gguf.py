@@ -180,7 +180,7 @@ def test_model_loader_gguf_file_replaced_while_loading_is_named(gguf_dir, tmp_pa
     from ringswap.loaders.comfyui_adapter import gguf_file
     from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
     from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
-    from ringswap.loaders.model_file.block_reader import FileChangedError
+    from ringswap.loaders.model_file.range_reader import FileChangedError
     path = str(tmp_path / "downloading.gguf")
     shutil.copy(os.path.join(gguf_dir, "wan_Q8_0_F32.gguf"), path)
     built = gguf_file.load_gguf_model
@@ -202,7 +202,7 @@ def test_model_loader_gguf_file_replaced_is_named(gguf_dir, tmp_path):
     import shutil
     from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
     from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
-    from ringswap.loaders.model_file.block_reader import FileChangedError
+    from ringswap.loaders.model_file.range_reader import FileChangedError
     path = str(tmp_path / "replaced.gguf")
     shutil.copy(os.path.join(gguf_dir, "wan_Q8_0_F32.gguf"), path)
     model = load_swapped_model(path, SwapSettings(1), home="disk", disk_workers=2)

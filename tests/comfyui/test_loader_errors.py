@@ -20,7 +20,7 @@ import comfy.model_management
 import folder_paths
 import nodes as comfy_nodes
 
-from ringswap.loaders.model_file.block_reader import BlockReader, BlockReadError, FileChangedError
+from ringswap.loaders.model_file.range_reader import BlockReadError, FileChangedError, RangeReader
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
 from ringswap.nodes.model_loader import RingSwapModelLoader
@@ -40,7 +40,7 @@ def _fast_and_quiet(fast_and_quiet):
 def live_loader_objects() -> dict:
     """Objects a half-finished load could leave behind (call after gc.collect())."""
     from comfy.ldm.wan.model import WanModel
-    kinds = (BlockReader, BlockSwapEngine, SwapModelPatcher, WanModel)
+    kinds = (RangeReader, BlockSwapEngine, SwapModelPatcher, WanModel)
     out = {k.__name__: 0 for k in kinds}
     for o in gc.get_objects():
         t = type(o)   # exact type: isinstance() would trip lazy proxies' __class__

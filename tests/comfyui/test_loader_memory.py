@@ -1,7 +1,7 @@
 """RingSwap Model Loader memory behaviour (issue 3), real ComfyUI on CPU:
 
 - home=disk reads no block byte before sampling starts; home=ram reads every block
-  exactly once, at load, and nothing while sampling (the BlockReader's counters);
+  exactly once, at load, and nothing while sampling (the RangeReader's counters);
 - RSS during disk-mode sampling stays within (window + prefetch + disk_workers) blocks,
   and stays flat from run to run (psutil, sampled from a thread, in a fresh process);
 - ram and disk homes give the same outputs as ComfyUI's stock loader, bit for bit.
@@ -37,7 +37,7 @@ MiB = 1 << 20
 
 
 def reader_of(model):
-    """The loader's BlockReader: engine.read_block is BlockSource.read (a bound method)."""
+    """The loader's RangeReader: engine.read_block is BlockReads.read_block (a bound method)."""
     return model.swap_engine.read_block.__self__.reader
 
 

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from ringswap.loaders.model_file.block_source import BlockSource
+from ringswap.loaders.model_file.block_reads import BlockReads
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from support.quant_files import write_quant_wan
@@ -16,7 +16,7 @@ def test_blocks_with_casts_are_read_ahead_in_parallel(tmp_path, monkeypatch):
     path = str(tmp_path / "scaled_fp8.safetensors")
     write_quant_wan(path, "scaled_fp8", dim=128, num_layers=6, ffn_dim=256)
     lock, active, peak = threading.Lock(), [0], [0]
-    original = BlockSource._read_with_casts
+    original = BlockReads._read_with_casts
 
     def slow_disk(self, block, dest):
         with lock:
@@ -29,7 +29,7 @@ def test_blocks_with_casts_are_read_ahead_in_parallel(tmp_path, monkeypatch):
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(BlockSource, "_read_with_casts", slow_disk)
+    monkeypatch.setattr(BlockReads, "_read_with_casts", slow_disk)
     model = load_swapped_model(path, SwapSettings(1, 1), home="disk", disk_workers=3)
     source = model.swap_engine.read_block.__self__
     assert all(source.cast), "the file should have tensors to cast in every block"

@@ -1,4 +1,4 @@
-"""BlockReader: parallel positioned reads into one buffer, chunking, short reads, lifetime.
+"""RangeReader, the block read path's positioned reads: reads into one buffer, chunking, short reads, lifetime.
 
 Every read test runs with both read methods: os.preadv/os.pread ("positioned") and the
 per-worker-handle seek + readinto used where pread does not exist (Windows), forced here
@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ringswap.loaders.model_file.block_reader import (PORTABLE_ENV, PREAD, PREADV, SEEK_READINTO, BlockReadError,
+from ringswap.loaders.model_file.range_reader import (PORTABLE_ENV, PREAD, PREADV, SEEK_READINTO, BlockReadError,
                                            FileChangedError, file_identity,
-                                           BlockReader, read_method)
+                                           RangeReader, read_method)
 from ringswap.loaders.model_file.safetensors_index import SafetensorsIndex
 
 TIMEOUT = 30
@@ -29,9 +29,9 @@ def portable(request):
 
 @pytest.fixture
 def open_reader(portable):
-    """BlockReader(path, ...) with this test's read method, checked to be the one in use."""
+    """RangeReader(path, ...) with this test's read method, checked to be the one in use."""
     def make(path, **kw):
-        r = BlockReader(path, portable=portable, **kw)
+        r = RangeReader(path, portable=portable, **kw)
         assert r.method == (SEEK_READINTO if portable else read_method(False))
         return r
     return make
@@ -170,7 +170,7 @@ def test_changed_file_is_refused_by_name(model, open_reader, tmp_path, change):
 
 def test_missing_file(tmp_path, portable):
     with pytest.raises(BlockReadError, match=re.escape(str(tmp_path / "gone.safetensors")) + ": cannot open"):
-        BlockReader(str(tmp_path / "gone.safetensors"), portable=portable)
+        RangeReader(str(tmp_path / "gone.safetensors"), portable=portable)
 
 
 def test_close_is_idempotent_and_closes_fds(model, open_reader):
@@ -182,7 +182,7 @@ def test_close_is_idempotent_and_closes_fds(model, open_reader):
     r.close()
     r.close()
     assert _fds() == before
-    with pytest.raises(ValueError, match="BlockReader is closed"):
+    with pytest.raises(ValueError, match="RangeReader is closed"):
         r.read_into(dest, [(0, 64, 0)])
 
 
@@ -243,7 +243,7 @@ def test_read_method_choice(model, monkeypatch):
     assert read_method(True) == SEEK_READINTO
     monkeypatch.setenv(PORTABLE_ENV, "1")
     assert read_method() == SEEK_READINTO and read_method(False) == positioned
-    with BlockReader(model, workers=1) as r:  # the loader's call: the variable decides
+    with RangeReader(model, workers=1) as r:  # the loader's call: the variable decides
         assert r.method == SEEK_READINTO
     monkeypatch.setenv(PORTABLE_ENV, "0")
     assert read_method() == positioned

@@ -1,5 +1,5 @@
 """Toy blocks for the engine's tests: a small residual block, a list of them, and a file-like
-source that reads packed blocks on worker threads as the loader's BlockReader does."""
+source that reads packed blocks on worker threads as the loader's RangeReader does."""
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +29,7 @@ def make_blocks():
 
 
 class FileLike:
-    """Blocks packed as bytes, read on worker threads like the loader's BlockReader."""
+    """Blocks packed as bytes, read on worker threads like the loader's RangeReader."""
 
     def __init__(self, blocks, delay=0.0):
         self.flats = {}

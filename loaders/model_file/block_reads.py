@@ -1,13 +1,13 @@
-"""Where each block's bytes are in the safetensors file, and reading them into a buffer.
+"""The block read path: the engine's `read_block(block, dest)` fills a block's buffer from its file.
 
-Maps every tensor of an engine block layout to its file key and byte range, checks the
-file against the model ComfyUI built (missing keys, shapes), and reads a block with the
-BlockReader's positioned reads straight into the destination buffer. A tensor whose
-file dtype differs from the dtype ComfyUI chose for the module is read into a small
-temporary buffer and cast, exactly as ComfyUI's load_state_dict copy would. A scalar
-the file lacks (e.g. scaled-fp8 `scale_input`) keeps the value ComfyUI's op gave it,
-as with ComfyUI's non-strict loading; any other missing tensor is an error. The buffers
-for casts are memory mappings of their own (swap.host_pool.mapped_bytes), not malloc's.
+`BlockReads` maps every tensor of an engine block layout to its file key and byte range,
+checks the file against the model ComfyUI built (missing keys, shapes), and reads a block
+with the RangeReader's positioned reads (range_reader.py) straight into the destination
+buffer. A tensor whose file dtype differs from the dtype ComfyUI chose for the module is
+read into a small temporary buffer and cast, exactly as ComfyUI's load_state_dict copy
+would. A scalar the file lacks (e.g. scaled-fp8 `scale_input`) keeps the value ComfyUI's
+op gave it, as with ComfyUI's non-strict loading; any other missing tensor is an error.
+The buffers for casts are memory mappings of their own (swap.host_pool.mapped_bytes), not malloc's.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from ...swap.host_pool import mapped_bytes
 from ...swap.layout import BlockBinding, BlockLayout
-from .block_reader import BlockReader
+from .range_reader import RangeReader
 from .safetensors_index import SafetensorsIndex
 
 
@@ -43,8 +43,11 @@ def _plan_casts(cast: list[tuple]) -> tuple[list[tuple], int, list[tuple]]:
     return small, total, [(info, e) for info, e in cast if info.nbytes > SMALL_CAST]
 
 
-class BlockSource:
-    def __init__(self, index: SafetensorsIndex, reader: BlockReader, blocks: list[nn.Module],
+class BlockReads:
+    """A model file's blocks as the engine reads them: `read_block` is its ReadFn
+    (swap/read_ahead.py); `reader` is the RangeReader beneath it."""
+
+    def __init__(self, index: SafetensorsIndex, reader: RangeReader, blocks: list[nn.Module],
                  block_keys: list[str], file_key: Callable[[str], str] = str):
         """`block_keys[i]` is the key prefix of block i, e.g. "blocks.7."; `file_key` gives the
         file's key of a tensor's key (ComfyUI may rename tensors and strips the file's prefix).
@@ -85,7 +88,7 @@ class BlockSource:
         self._large_cast = threading.Lock()   # guards _large_buf: large casts one at a time
         self._large_buf = mapped_bytes(0)
 
-    def read(self, block: int, dest: torch.Tensor) -> Future:
+    def read_block(self, block: int, dest: torch.Tensor) -> Future:
         """Fill `dest` (uint8, the block's layout) from the file; a Future of bytes read."""
         for value, e in self.constants[block]:
             dest[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape).copy_(value)

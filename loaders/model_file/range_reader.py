@@ -1,9 +1,10 @@
-"""Parallel positioned reads of byte ranges of one file straight into host (e.g. pinned) buffers.
+"""Parallel positioned reads of byte ranges of one file straight into host (e.g. pinned) buffers:
+the bottom of the block read path (block_reads.BlockReads.read_block gives the ranges).
 
 Written ourselves because no library does parallel pread/preadv into caller-owned pinned
 memory: one file handle per worker thread, no mmap, no whole-file read, no intermediate copies.
 
-Linux and Windows (DESIGN.md): `os.preadv`/`os.pread` where the OS has them; elsewhere
+Linux and Windows (docs/design.md): `os.preadv`/`os.pread` where the OS has them; elsewhere
 (Windows) each worker's own handle, opened in binary mode, does seek + readinto. Which one
 is used is decided in one place, `read_method`; `portable=True` (or the environment
 variable RINGSWAP_PORTABLE_READS=1) forces seek + readinto so it is tested on Linux too.
@@ -22,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-log = logging.getLogger("ringswap.block_reader")
+log = logging.getLogger("ringswap.range_reader")
 
 CHUNK_BYTES = 64 * 1024 * 1024
 _MAX_SYSCALL = 1 << 30  # Linux and Windows read at most ~2 GiB per call; keep well under
@@ -31,7 +32,7 @@ PREADV, PREAD, SEEK_READINTO = "preadv", "pread", "seek+readinto"
 
 
 def read_method(portable: bool | None = None) -> str:
-    """How a BlockReader reads: "preadv", "pread" or "seek+readinto".
+    """How a RangeReader reads: "preadv", "pread" or "seek+readinto".
 
     `portable=None` takes RINGSWAP_PORTABLE_READS from the environment ("1" forces
     seek + readinto); without preadv and pread (Windows) it is seek + readinto anyway.
@@ -85,7 +86,7 @@ class _Job:
             self.future.set_result(self.total)
 
 
-class BlockReader:
+class RangeReader:
     """`workers` threads, each taking one of `workers` file handles for a chunk, so no
     handle is ever used by two threads at once (the seek + readinto path relies on that).
     `portable`: see read_method; `self.method` says what was chosen."""
@@ -93,7 +94,7 @@ class BlockReader:
     def __init__(self, path: str | os.PathLike, workers: int = 4, drop_cache: bool = True,
                  chunk_bytes: int = CHUNK_BYTES, portable: bool | None = None):
         if workers < 1 or chunk_bytes < 1:
-            raise ValueError(f"BlockReader: workers ({workers}) and chunk_bytes ({chunk_bytes}) must be >= 1")
+            raise ValueError(f"RangeReader: workers ({workers}) and chunk_bytes ({chunk_bytes}) must be >= 1")
         self.path = os.fspath(path)
         self.workers = workers
         self.method = read_method(portable)
@@ -110,7 +111,7 @@ class BlockReader:
         except OSError as e:
             self._close_handles()
             raise BlockReadError(f"{self.path}: cannot open for reading: {e.strerror or e}") from e
-        log.debug("BlockReader %s: %d workers, %s reads, page-cache advice %s", self.path, workers,
+        log.debug("RangeReader %s: %d workers, %s reads, page-cache advice %s", self.path, workers,
                   self.method, "on" if self.drop_cache else "off")
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="ringswap-read")
         self._lock = threading.Lock()
@@ -190,7 +191,7 @@ class BlockReader:
         mv = memoryview((ctypes.c_ubyte * size).from_address(dest.data_ptr())).cast("B")
         with self._lock:
             if self._closed:
-                raise ValueError(f"{self.path}: BlockReader is closed; cannot read")
+                raise ValueError(f"{self.path}: RangeReader is closed; cannot read")
             for ch in chunks:
                 self._pool.submit(self._run_chunk, job, dest, mv, *ch)
         return job.future
@@ -268,7 +269,7 @@ class BlockReader:
         self._pool.shutdown(wait=True)
         self._close_handles()
 
-    def __enter__(self) -> "BlockReader":
+    def __enter__(self) -> "RangeReader":
         return self
 
     def __exit__(self, *exc) -> None:
