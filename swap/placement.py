@@ -21,11 +21,11 @@ def place_all(states: list[BlockState], pool: HostPool, att: Attachment, placing
     if coding is not None:
         coding.make_scratch(pool, placing)
     with PinnedChunks(pin=att.pin_memory != "off") as chunks:
-        for k, home in enumerate(homes):
+        for k, placed in enumerate(homes):
             for later in homes[k:]:   # the file reads on: this and the next blocks into free staging buffers
                 if not later.read_ahead(att):
                     break
-            read_back += home.place(att, chunks)
+            read_back += placed.place(att, chunks)
             if report is not None:
                 report(read_back, 0)
     att.copier.synchronize()

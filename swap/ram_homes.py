@@ -35,7 +35,7 @@ def read_progress(states: list, pool: HostPool, blocks: set[int],
 
 
 def fill(states: list, pool: HostPool, read_block: Callable, progress: Callable[[int, int], None] | None) -> int:
-    """Read every block of `states` without a home into a new one; calls progress(done, total) and
+    """Read every block of `states` that has no home yet into a new one; calls progress(done, total) and
     returns the bytes read. On failure the reads in flight are cancelled or drained and
     the exception re-raised (the caller frees the homes)."""
     todo = [s for s in states if not pool.has(s.index)]
@@ -67,7 +67,7 @@ def fill(states: list, pool: HostPool, read_block: Callable, progress: Callable[
 
 def read_homes(states: list, pool: HostPool, read_block: Callable,
                progress: Callable[[int, int], None] | None = None) -> int:
-    """Read those of `states` without a home into new ones (parallel reads); returns the
+    """Read those of `states` that have no home yet into new ones (parallel reads); returns the
     bytes read. On failure the homes it made are freed and the error re-raised."""
     todo = [s for s in states if not pool.has(s.index)]
     if not todo:
