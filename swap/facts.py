@@ -4,17 +4,35 @@ what coding measured, the link, read and pin rates) and the live view of where e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
+from torch import nn
+
+from .coding import Coding
+from .home_policy import HomePolicy
+from .layout import BlockLayout
+from .host_pool import HostPool
 from .load_plan import EngineFacts
 from .residency import ResidencyPlan
+from .state import Attachment, BlockState
 from .stats import RunStats
 
-if TYPE_CHECKING:   # the engine imports this module
-    from .engine import BlockSwapEngine
+
+class EngineState(Protocol):
+    """What these functions read of a BlockSwapEngine (which calls them: no import back)."""
+    states: list[BlockState]
+    pool: HostPool
+    coding: Coding | None
+    att: Attachment | None
+    homes: HomePolicy
+    read_block: Callable | None
+    read_buffers: int
+    link_bytes_per_s: float
+    read_back: tuple[int, float]
+    num_blocks: int
 
 
-def engine_facts(engine: "BlockSwapEngine") -> EngineFacts:
+def engine_facts(engine: EngineState) -> EngineFacts:
     pool, coding, att = engine.pool, engine.coding, engine.att
     ratio = coding.ratio if coding is not None and coding.pays else 1.0
     homes = frozenset(i for i in range(engine.num_blocks) if pool.has(i))
@@ -50,7 +68,7 @@ class LiveView:
     home: str
 
 
-def live_view(engine: "BlockSwapEngine") -> LiveView | None:
+def live_view(engine: EngineState) -> LiveView | None:
     """The attached engine's LiveView (None when detached); reads only flags, never waits."""
     att = engine.att
     if att is None:
@@ -69,3 +87,9 @@ def _landed(slot) -> bool:
     if slot.reading:
         return False
     return slot.ready is None or bool(slot.ready.query())
+
+
+def block_of(engine: EngineState, index: int) -> tuple[nn.Module, BlockLayout]:
+    """(the block module, its BlockLayout) of block `index`."""
+    s = engine.states[index]
+    return s.block, s.layout

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ...swap import BlockSwapEngine
+from ...swap.facts import block_of
 from ...swap.layout import BlockLayout, codec_for
 from . import gguf_tensors
 from .block_lists import find_block_lists, interleaved, nonblock_bytes
@@ -47,8 +48,7 @@ class SwapState:
         return None if b is None else (b, m.group(2))
 
     def block(self, index: int) -> tuple[nn.Module, BlockLayout]:
-        s = self.engine.states[index]
-        return s.block, s.layout
+        return block_of(self.engine, index)
 
     @property
     def block_count(self) -> int:
