@@ -9,15 +9,9 @@ from __future__ import annotations
 import folder_paths
 
 from ..lora.apply import LoraFileCache, apply_lora
+from .widgets import LORA_MODEL_TIP, LORA_NAME_TIP, LORA_ON_TIP, STRENGTH
 
 STACK_ROWS = 4
-
-MODEL_TIP = "The diffusion model to apply the LoRA to (a RingSwap MODEL or any other MODEL)."
-NAME_TIP = ("A LoRA file from the loras folder (any format ComfyUI reads: LoRA/LoCon, LoHa, LoKr, DoRA, "
-            "diff, set; kohya, ComfyUI and diffusers key names).")
-STRENGTH_TIP = ("How strongly the LoRA changes the model (1.0 = as trained, 0 = off, negative values "
-                "invert it). Changing it needs no reload: blocks are patched on the GPU as they arrive.")
-ON_TIP = "Apply this row's LoRA (off: skipped, as if its name were None)."
 
 
 class RingSwapLoRA:
@@ -35,10 +29,9 @@ class RingSwapLoRA:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL", {"tooltip": MODEL_TIP}),
-            "lora_name": (folder_paths.get_filename_list("loras"), {"tooltip": NAME_TIP}),
-            "strength_model": ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01,
-                                         "tooltip": STRENGTH_TIP}),
+            "model": ("MODEL", {"tooltip": LORA_MODEL_TIP}),
+            "lora_name": (folder_paths.get_filename_list("loras"), {"tooltip": LORA_NAME_TIP}),
+            "strength_model": STRENGTH.input(),
         }}
 
     def apply(self, model, lora_name: str, strength_model: float):
@@ -62,13 +55,12 @@ class RingSwapLoRAStack:
     @classmethod
     def INPUT_TYPES(cls):
         names = ["None"] + folder_paths.get_filename_list("loras")
-        required = {"model": ("MODEL", {"tooltip": MODEL_TIP})}
+        required = {"model": ("MODEL", {"tooltip": LORA_MODEL_TIP})}
         for i in range(1, STACK_ROWS + 1):
-            required[f"lora_{i}_on"] = ("BOOLEAN", {"default": True, "tooltip": f"LoRA {i}: " + ON_TIP})
-            required[f"lora_{i}_name"] = (names, {"default": "None", "tooltip": f"LoRA {i}: " + NAME_TIP +
+            required[f"lora_{i}_on"] = ("BOOLEAN", {"default": True, "tooltip": f"LoRA {i}: " + LORA_ON_TIP})
+            required[f"lora_{i}_name"] = (names, {"default": "None", "tooltip": f"LoRA {i}: " + LORA_NAME_TIP +
                                                   " None = no LoRA in this row."})
-            required[f"lora_{i}_strength"] = ("FLOAT", {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01,
-                                                        "tooltip": f"LoRA {i}: " + STRENGTH_TIP})
+            required[f"lora_{i}_strength"] = STRENGTH.input(tooltip=f"LoRA {i}: " + STRENGTH.tooltip)
         return {"required": required}
 
     def apply(self, model, **rows):

@@ -12,50 +12,26 @@ import folder_paths
 from aiohttp import web
 
 from ..loaders.comfyui_adapter import comfy_server, live_feed
-from ..swap.coding_choice import COMPRESS_MODES
 from ..loaders.comfyui_adapter.gguf_file import model_names
 from ..loaders.comfyui_adapter.file_plan import plan_for_file
-from ..swap.home_policy import HOMES
 from ..swap.window_plan import NotEnoughVRAM
+from .widgets import COMPRESS, HOME, PREFETCH, VRAM_BUDGET, WINDOW, BadValue, Number
 
-# query parameter -> (type, smallest, largest, default; None = required)
-PARAMS = {
-    "width": (int, 16, 16384, None), "height": (int, 16, 16384, None), "frames": (int, 1, 100000, 1),
-    "batch": (int, 1, 4096, 1), "window": (int, 0, 1000, 0), "prefetch": (int, 0, 8, 1),
-    "vram_budget_gb": (float, 0.0, 1024.0, 0.0), "conds": (int, 1, 16, 1),
+# query parameter -> its spec: the latent's size and the conds a step computes (from the graph
+# around the node), then the node's own widgets (nodes/widgets.py), checked in this order
+QUERY = {
+    "width": Number(int, None, 16, 16384), "height": Number(int, None, 16, 16384),
+    "frames": Number(int, 1, 1, 100000), "batch": Number(int, 1, 1, 4096),
+    "window": WINDOW, "prefetch": PREFETCH, "vram_budget_gb": VRAM_BUDGET,
+    "conds": Number(int, 1, 1, 16),
+    "home": HOME, "compress": COMPRESS,
 }
-# query parameter -> (the node's choices, default)
-CHOICES = {"home": (HOMES, "auto"), "compress": (COMPRESS_MODES, "auto")}
-
-
-class BadRequest(ValueError):
-    pass
 
 
 def parse(query) -> dict:
-    """The plan's numbers and choices from the query, each checked against its range or choices
-    (BadRequest names it)."""
-    out = {}
-    for name, (kind, lo, hi, default) in PARAMS.items():
-        raw = query.get(name)
-        if raw is None or raw == "":
-            if default is None:
-                raise BadRequest(f"'{name}' is required ({kind.__name__} from {lo} to {hi})")
-            out[name] = default
-            continue
-        try:
-            value = kind(raw)
-        except ValueError:
-            raise BadRequest(f"'{name}' must be a{'n integer' if kind is int else ' number'}, got {raw!r}") from None
-        if not lo <= value <= hi:
-            raise BadRequest(f"'{name}' must be from {lo} to {hi}, got {raw}")
-        out[name] = value
-    for name, (choices, default) in CHOICES.items():
-        value = query.get(name) or default
-        if value not in choices:
-            raise BadRequest(f"'{name}' must be one of {', '.join(choices)}, got {value!r}")
-        out[name] = value
-    return out
+    """The plan's numbers and choices from the query, each checked against its spec's range or
+    choices (BadValue names it)."""
+    return {name: spec.parse(name, query.get(name)) for name, spec in QUERY.items()}
 
 
 async def get_plan(request: web.Request) -> web.Response:
@@ -69,7 +45,7 @@ async def get_plan(request: web.Request) -> web.Response:
                                  status=404)
     try:
         numbers = parse(query)
-    except BadRequest as e:
+    except BadValue as e:
         return web.json_response({"error": str(e)}, status=400)
     path = folder_paths.get_full_path("diffusion_models", name)
     try:
