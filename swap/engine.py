@@ -28,7 +28,7 @@ from .read_ahead import ReadAhead, ReadFn
 from .resident_folds import fold_resident
 from .slot_ring import Slot, SlotRing
 from .coding import Coding, coding_for, keep_coder
-from .plane_coder import PlaneCoder, ans_coder
+from .plane_coder import PlaneCoder
 from .ram_homes import capture_resident, ensure, lock_early, read_homes, read_progress, settle
 from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, warm, writes_blocks
 from .stats import RunStats
@@ -62,7 +62,7 @@ class BlockSwapEngine:
         self.read_back = (0, 0.0)     # bytes read from the file by the last attach, and its seconds
         self.orders: dict[tuple[int, ...], tuple[int, ...]] = {}   # streamed blocks -> their learned call order
         self.observer: Callable[[], None] | None = None   # called before each streamed block and model call (keep it cheap)
-        self.coder_factory: Callable[[torch.device], PlaneCoder] = ans_coder   # codes homes (tests: a CPU coder)
+        self.coder_factory: Callable[[torch.device], PlaneCoder] | None = None   # set where a load may code
         self.coding: Coding | None = None
         self.in_order = True   # the model runs nothing between a block and the next (timing; VACE: False)
         if read_block is not None:   # weights come from the reader: drop what the modules hold

@@ -42,6 +42,7 @@ from ...lora.fold import BlockFolder, block_folder
 from ...swap import BlockSwapEngine, ResidencyPlan
 from ...swap.host_pool import set_pin_budget
 from ...swap.page_out import mapped_tensors, page_out_moved
+from ...swap.plane_coder import ans_coder
 from ...swap.load_plan import CODED, KEEP, LOAD, LoadPlan, NotEnoughVRAM, SwapSettings, kept_at_unload, plan_load
 from . import comfy_memory, comfy_models, comfy_server
 from . import gguf_tensors, live_feed, run_facts, sampling
@@ -149,6 +150,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         device = self._device(device_to)
         engine = self.swap_engine
         plan = run.plan = self._plan(device, full_load)
+        if plan.coding.may_code:
+            engine.coder_factory = ans_coder
         folder = self.block_folder_on(device)
         engine.attach(device, plan, owner=weakref.ref(self), on_land=folder, progress=live_feed.progress_bar(),
                       resident_work=folder.resident_work() if folder is not None and plan.window.inputs.dense_per_call
