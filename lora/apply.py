@@ -20,7 +20,7 @@ import comfy.utils
 from .checks import capture_root_log, check_patcher
 from .keys import model_key_map
 
-log = logging.getLogger("ringswap.lora")
+log = logging.getLogger("ringswap.apply")
 
 NOT_LOADED = "lora key not loaded: "
 # keys of the text encoder part of a LoRA: expected to go unused by a model-only loader

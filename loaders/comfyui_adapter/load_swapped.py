@@ -29,7 +29,7 @@ from .skeleton import build_skeleton
 from .swap_patcher import SwapModelPatcher, SwapSettings
 from .swap_state import SwapState
 
-log = logging.getLogger("ringswap.model_loader")
+log = logging.getLogger("ringswap.load_swapped")
 
 
 def load_swapped_model(path: str, settings: SwapSettings, home: str = "ram", disk_workers: int = 4,
