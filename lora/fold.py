@@ -15,7 +15,6 @@ either, so results match. Block patches are checked once, when the fold plan is 
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 import torch
 
@@ -27,8 +26,6 @@ from .dense_fold import DenseOp, dense_codec
 from .fold_ops import FoldOp, PlainOp, make_op
 
 log = logging.getLogger("ringswap.fold")
-
-FoldFn = Callable[[int, list[torch.Tensor]], "dict[int, torch.Tensor] | None"]
 
 
 class BlockFolder:

@@ -55,13 +55,14 @@ class Coding:
     def __init__(self, coder: PlaneCoder, device: torch.device):
         self.coder = coder
         self.device = device
-        self.part_bytes = getattr(coder, "part_bytes", PART_BYTES)   # a coder may ask for smaller parts
+        self.part_bytes = getattr(coder, "part_bytes", PART_BYTES)   # a coder may ask for other parts
+        self.rooms = getattr(coder, "parts_in_flight", PARTS_IN_FLIGHT)   # part rooms on CUDA (decode_block)
         self.pays: bool | None = None     # None: not tried yet; False: the first block did not shrink
         self.scratch: torch.Tensor | None = None
         self.encoded = (0, 0)             # raw bytes, coded bytes: what was coded so far
         self.decode_rate = 0.0            # bytes a second the decode alone gives back, from the check; 0: not timed
         self.checked = False
-        self.freed: list = [None] * PARTS_IN_FLIGHT   # the decodes last done with each scratch room (decode_block)
+        self.freed: list = [None] * self.rooms   # the decodes last done with each scratch room (decode_block)
 
     @property
     def ratio(self) -> float:
@@ -172,17 +173,17 @@ class Coding:
         self.decode_rate = raw.numel() / secs if secs > 0 else 0.0
 
     def make_scratch(self, pool: HostPool, blocks) -> None:
-        """Device scratch for decoding these blocks' coded homes: PARTS_IN_FLIGHT part rooms on
-        CUDA (see decode_block)."""
+        """Device scratch for decoding these blocks' coded homes: the coder's part rooms on CUDA
+        (see decode_block)."""
         need = max((pool.coded[i].scratch_bytes() for i in blocks if i in pool.coded), default=0)
-        need *= PARTS_IN_FLIGHT if self.coder.stream is not None else 1
+        need *= self.rooms if self.coder.stream is not None else 1
         if need and (self.scratch is None or self.scratch.numel() < need):
             self._new_scratch(empty_bytes(need, self.device))
 
     def _new_scratch(self, scratch: torch.Tensor | None) -> None:
         """A scratch whose rooms no decode has used yet (or none)."""
         self.scratch = scratch
-        self.freed = [None] * PARTS_IN_FLIGHT
+        self.freed = [None] * self.rooms
 
     def decode(self, block: CodedBlock, out: torch.Tensor, copy_stream: "torch.cuda.Stream | None" = None,
                after: "torch.cuda.Event | None" = None) -> None:

@@ -12,7 +12,6 @@ entropy coder; nvCOMP does the coding.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -22,11 +21,12 @@ from .host_pool import HostBuffer
 from .plane_join import join_words
 
 NVCOMP_PACKAGES = "nvidia-nvcomp-cu13 (torch built for CUDA 13) or nvidia-nvcomp-cu12 (CUDA 12)"
-# A part's raw MiB (the device scratch holds a few parts, not a block; larger parts decode in fewer,
-# fuller nvCOMP calls) and the part rooms on CUDA (copies run this many parts less one ahead of the
-# decodes); RINGSWAP_CODED_PARTS="MiB,rooms" sets others for a benchmark (bench/RESULTS.md).
-_PART_MIB, PARTS_IN_FLIGHT = (int(v) for v in os.environ.get("RINGSWAP_CODED_PARTS", "128,2").split(","))
-PART_BYTES = _PART_MIB << 20
+# The defaults of a coder's `part_bytes` and `parts_in_flight` (AnsPlanes takes others, e.g. from a
+# benchmark): a part's raw bytes (the device scratch holds a few parts, not a block; larger parts
+# decode in fewer, fuller nvCOMP calls) and the part rooms on CUDA (copies run this many parts less
+# one ahead of the decodes).
+PART_BYTES = 128 << 20
+PARTS_IN_FLIGHT = 2
 PAYS_RATIO = 0.9         # a block coded to more than this of its bytes stays raw
 ALIGN = 16               # nvCOMP reads and writes device buffers at 16-byte aligned addresses
 
@@ -47,7 +47,8 @@ def split_planes(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class PlaneCoder(Protocol):
     """Codes high-byte planes on the device they live on. `stream`: where its work is enqueued
-    (None on the CPU). `decode` must not synchronise the host."""
+    (None on the CPU). `decode` must not synchronise the host. A coder may also carry
+    `part_bytes` and `parts_in_flight` (swap/coding.py takes PART_BYTES, PARTS_IN_FLIGHT without)."""
     stream: "torch.cuda.Stream | None"
 
     def encode(self, high: torch.Tensor) -> torch.Tensor: ...            # coded bytes (uint8), same device
@@ -193,8 +194,9 @@ class AnsPlanes:
     the decompression config built from it, so a decode never reads a header back to the host."""
 
     def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None, data_type: str = "|u1",
-                 **codec_options):
+                 part_bytes: int = PART_BYTES, parts_in_flight: int = PARTS_IN_FLIGHT, **codec_options):
         self.nvcomp = nvcomp_module()
+        self.part_bytes, self.parts_in_flight = part_bytes, parts_in_flight
         self.device = torch.device(device)
         self.stream = stream or torch.cuda.Stream(self.device, priority=-1)   # decodes first where SMs free up
         self.words = data_type == "<f2"   # ANS's 16-bit float mode: parts coded whole, as 16-bit words

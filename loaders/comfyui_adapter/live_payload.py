@@ -12,28 +12,22 @@ One character per block keeps a 200-block model's message at a few hundred bytes
 from __future__ import annotations
 
 from ...swap import BlockSwapEngine
-from ...swap.facts import PLACES, live_view
+from ...swap.facts import live_view
 from ...swap.load_plan import LoadPlan
 from ...swap.stats import RunStats
 
-CODES = PLACES
 SCHEMA_VERSION = 1
 RUN_EVENT = "ringswap.run"
-
-
-def block_map(engine: BlockSwapEngine) -> str:
-    """The state code of every block of an attached engine ("" when detached)."""
-    view = live_view(engine)
-    return view.places if view is not None else ""
 
 
 def live_payload(engine: BlockSwapEngine, node: str | None, step: int, steps: int, elapsed_s: float) -> dict:
     """The message for one moment of a run (JSON-ready). `step`/`steps`: the sampler's step
     (0-based) and its count when known (else -1 / 0); `elapsed_s`: since the run's first call.
 
-    Keys: v, node (the RingSwap node's id or None), blocks, states (block_map), current
-    (the block computing, -1 between blocks), window, prefetch, ring_slots, resident,
-    streamed, home, step, steps, calls, forwards, copies, bytes_copied, unplanned, elapsed_s.
+    Keys: v, node (the RingSwap node's id or None), blocks, states (one letter a block,
+    swap/facts.py PLACES), current (the block computing, -1 between blocks), window, prefetch,
+    ring_slots, resident, streamed, home, step, steps, calls, forwards, copies, bytes_copied,
+    unplanned, elapsed_s.
     """
     view = live_view(engine)
     plan, stats = view.plan, view.stats

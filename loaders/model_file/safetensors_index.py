@@ -197,10 +197,6 @@ class SafetensorsIndex:
         groups = self.group(re.escape(prefix) + r"(\d+)\.")
         return {int(k): groups[k] for k in sorted(groups, key=int)}
 
-    def read_tensor(self, name: str) -> torch.Tensor:
-        """One tensor as a CPU tensor, reading just its bytes (for small, non-block tensors)."""
-        return self.read_tensors([name])[name]
-
     def read_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         infos = [self[n] for n in names]
         out: dict[str, torch.Tensor] = {}

@@ -12,12 +12,20 @@ import torch
 from torch import nn
 
 from ringswap.loaders.comfyui_adapter import live_feed
-from ringswap.loaders.comfyui_adapter.live_payload import CODES, block_map, live_payload
+from ringswap.loaders.comfyui_adapter.live_payload import live_payload
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
+from ringswap.swap.facts import PLACES as CODES
+from ringswap.swap.facts import live_view
 
 from support.engine_plans import load_plan
 
 BLOCKS = 200
+
+
+def block_map(engine: BlockSwapEngine) -> str:
+    """The state code of every block of an attached engine ("" when detached): the message's `states`."""
+    view = live_view(engine)
+    return view.places if view is not None else ""
 
 
 @pytest.fixture
