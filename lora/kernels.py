@@ -71,7 +71,7 @@ class Pairs:
         self.scales = torch.tensor(scales, dtype=torch.float32, device=device)
         self.prec = "tf32x3" if self.dtype == torch.float32 else None
         # [amax, amax, old scale]: the first fold takes its amax in slot 0 (the kernels can
-        # alternate two slots; only the first fold computes one now) and the old scale in 2
+        # alternate two slots; only the first fold computes one) and the old scale in 2
         self.scratch = torch.zeros(3, dtype=torch.float32, device=device)
         # every later fold of this weight has the same base (a block lands from the same home
         # each time), so it skips the amax pass and requantizes with the kept amax, bit for bit

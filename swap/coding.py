@@ -40,9 +40,10 @@ def coding_for(coding: "Coding | None", factory, device: torch.device) -> "Codin
 def keep_coder(coding: "Coding | None", factory, att) -> "Coding | None":
     """The coding that resident blocks kept in RAM at a detach go through (None: kept raw): where
     the load codes or may code (`att.compress`, `att.may_code`) and coding has not failed to pay,
-    the engine's coding for the device. Coded they take about 0.68 x the RAM (bf16), so two experts
-    fit where raw they would not, and cost about the same to keep (a GPU encode, a smaller download)
-    and to place (a smaller upload, a GPU decode)."""
+    the engine's coding for the device. Coded they take a good part less RAM (bench/RESULTS.md has
+    the ratios), so two models (e.g. Wan 2.2's two experts) can keep their resident blocks where raw
+    they could not, and cost about the same to keep (a GPU encode, a smaller download) and to place
+    (a smaller upload, a GPU decode)."""
     if factory is None or not (att.compress or att.may_code) or (coding is not None and coding.pays is False):
         return None
     return coding_for(coding, factory, att.device)

@@ -1,9 +1,9 @@
 """Device bytes that a landing's dense weights are cut from (a ring slot's, or one of the two
 sets of resident blocks folded before each call), allocated once with the ring. Folds that
-allocated their outputs on the land stream left them to the caching allocator, which cannot
-reuse a block freed on another stream until its event passes: with the host ahead of the
-device the dense sets piled up to the VRAM cap, and each retry there synchronised the device
-(bench/RESULTS.md, session of 2026-12-05). Reuse is ordered by the slot's events instead."""
+allocated their outputs on the land stream would leave them to the caching allocator, which
+cannot reuse a block freed on another stream until its event passes: with the host ahead of
+the device the dense sets pile up to the VRAM cap, and each retry there synchronises the
+device. Reuse is ordered by the slot's events instead."""
 from __future__ import annotations
 
 import math

@@ -1,7 +1,7 @@
 """Host memory for blocks: exact-size buffers, pinned in place when allowed.
 
 PyTorch's pinned caching allocator rounds allocations up (to powers of two), which can
-cost up to ~1.7x the model's size in locked RAM; so each block gets a plain buffer of
+lock a good deal more RAM than the model's size; so each block gets a plain buffer of
 its exact size (rounded to whole pages) that is page-locked in place with
 cudaHostRegister (what ComfyUI itself uses). Written here because no library offers
 exact-size pinned buffers. When pinning is off, fails, is over the host's pin budget

@@ -1,4 +1,4 @@
-"""Lossless byte-plane coding of a block's bytes for RAM and the link (issue "Fewer bytes, same bits").
+"""Lossless byte-plane coding of a block's bytes for RAM and the link.
 
 A bf16/fp16 weight's high byte (sign and exponent) is highly predictable, its low byte is not.
 A block's flat bytes are cut into parts, each read as little-endian 16-bit words and split into
@@ -88,9 +88,10 @@ def wants_planes(dtypes_bytes: dict[int, int], nbytes: int) -> bool:
 
 def narrow_fp16(part: torch.Tensor) -> torch.Tensor | None:
     """The bf16 bytes of a part's fp16 words (uint8, even length) where every word comes back bit
-    for bit through fp16 -> bf16 -> fp16 and none is a NaN, else None. fp16 weights cast from a bf16 file (ComfyUI
-    computes Wan in fp16) always do; their bf16 high bytes hold sign and exponent only, so they
-    code to about 0.68 of the bytes where fp16's, with two mantissa bits, code to about 0.86."""
+    for bit through fp16 -> bf16 -> fp16 and none is a NaN, else None. fp16 weights cast from a
+    bf16 file (ComfyUI computes Wan in fp16) always do; their bf16 high bytes hold sign and
+    exponent only, so they code much smaller than fp16's, whose high bytes carry two mantissa
+    bits (the ratios: bench/RESULTS.md)."""
     words = part.view(torch.float16)
     narrow = words.to(torch.bfloat16)
     if words.isnan().any() or not torch.equal(narrow.to(torch.float16).view(torch.int16), words.view(torch.int16)):
@@ -104,8 +105,8 @@ def encode_block(coder: PlaneCoder, flat: torch.Tensor, part_bytes: int = PART_B
     """Code a block's bytes (uint8 on the coder's device) into a new pageable host buffer: the
     parts are laid out on the device as the home holds them, then downloaded in one go
     (`download(device, host)`, e.g. PinnedChunks.download: a plain copy into fresh pageable
-    pages runs at about 1 GB/s). `fp16`: the block's 16-bit words are fp16, so each part is
-    narrowed to bf16 where that is exact (`narrow_fp16`)."""
+    pages runs far below the link, its page faults taken on one thread). `fp16`: the block's
+    16-bit words are fp16, so each part is narrowed to bf16 where that is exact (`narrow_fp16`)."""
     n, pieces, narrowed = flat.numel(), [], set()
     for k, off in enumerate(range(0, n, part_bytes)):
         part = flat[off:off + part_bytes]

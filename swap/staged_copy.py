@@ -1,8 +1,8 @@
 """Copies between the GPU and pageable host memory through two pinned staging chunks.
 
-CUDA copies to or from pageable memory through a driver buffer, one thread, at a few GB/s
-(fresh pages also fault in on that thread: a device-to-host copy into new homes ran at about
-1 GB/s on the H200 machine). Here the DMA of one 64 MiB chunk overlaps the host copy of the
+CUDA copies to or from pageable memory through a driver buffer on one thread, well below the
+link's rate (fresh pages also fault in on that thread, so a device-to-host copy into new homes
+is slower still; bench/RESULTS.md). Here the DMA of one 64 MiB chunk overlaps the host copy of the
 other, which torch runs on its threads. Used when a model taken off the GPU keeps its
 resident blocks (download) and when those are placed again (upload). Where the tensor is
 not on CUDA, pinning is off or fails, it is a plain copy_.

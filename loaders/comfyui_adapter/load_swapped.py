@@ -5,7 +5,7 @@ RAM when it attaches); for home=ram every block is read once into its exact-size
 
 The model is built inside `mapped_allocations()`: ComfyUI's `torch.empty` block weights,
 dropped for the engine's buffers right away, then cost no RAM and leave nothing in malloc's
-heap (from there they left RSS a little higher every load), and the other large weights
+heap (from there they would leave RSS a little higher every load), and the other large weights
 are given back to the OS with the model.
 """
 from __future__ import annotations

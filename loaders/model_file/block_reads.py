@@ -82,7 +82,7 @@ class BlockReads:
             self.constants.append(constants)
         self._cast_plan = [_plan_casts(cast) for cast in self.cast]
         # one thread per reader worker: blocks read ahead in parallel also when they hold
-        # tensors to cast (a single thread here read such blocks one at a time)
+        # tensors to cast (a single thread would read such blocks one at a time)
         self._cast_pool = ThreadPoolExecutor(reader.workers, thread_name_prefix="ringswap-cast") \
             if any(self.cast) else None
         self._large_cast = threading.Lock()   # guards _large_buf: large casts one at a time
@@ -102,7 +102,7 @@ class BlockReads:
         at a time across all blocks through one reused buffer."""
         small, small_bytes, large = self._cast_plan[block]
         # mapped, not malloc'd: on a reader thread malloc would take it from that thread's
-        # own heap, which keeps what is freed (RSS grew every load; swap.host_pool.mapped_bytes)
+        # own heap, which keeps what is freed (RSS would grow every load; swap.host_pool.mapped_bytes)
         tmp = mapped_bytes(small_bytes)
         futures = [self.reader.read_into(tmp, [(info.start, info.nbytes, off) for info, _, off in small])]
         if self.direct[block]:

@@ -238,8 +238,8 @@ ALIGN = 64   # a read tensor's address mod ALIGN equals its file offset's, as in
 def _buffer_like_mmap(nbytes: int, file_offset: int) -> tuple[torch.Tensor, memoryview]:
     """A host buffer of `nbytes` whose address mod ALIGN equals `file_offset`'s, the
     alignment ComfyUI's own loader leaves a tensor at when it keeps a view into safetensors'
-    mmap (CPU matmuls round differently at other alignments: issue "bit-identical on every
-    quantized file"); (its bytes as a uint8 tensor, a writable view of them)."""
+    mmap (CPU matmuls round differently at other alignments, so results would not be
+    bit-identical to ComfyUI's); (its bytes as a uint8 tensor, a writable view of them)."""
     buf = bytearray(nbytes + ALIGN)
     whole = torch.frombuffer(buf, dtype=torch.uint8)
     shift = (file_offset - whole.data_ptr()) % ALIGN
