@@ -86,16 +86,26 @@ def test_bad_ram_budget_is_refused():
 
 
 def test_automatic_room_is_available_ram_less_margin_and_comfys_keep(wan):
-    from ringswap.loaders.comfyui_adapter import comfy_memory
-    from ringswap.loaders.comfyui_adapter.ram_room import MARGIN_MIN, room
+    """The RAM numbers a load gathers from ComfyUI (RAM available, what its RAM cache keeps) reach
+    the plan's RAM split: room = available + homes held - margin - ComfyUI's keep (the arithmetic:
+    tests/engine/test_load_plan.py)."""
+    from ringswap.loaders.comfyui_adapter import comfy_memory, run_facts
+    from ringswap.swap.ram_split import MARGIN_MIN, home_ram
     path, _ = wan
-    engine = load_swapped_model(path, SwapSettings(3, 1), home="auto").swap_engine
-    assert room(engine, 1.5) == (1_500_000_000, "ram_budget_gb 1.5")
+    model = load_swapped_model(path, SwapSettings(3, 1), home="auto")
+    engine, device = model.swap_engine, model.load_device
     before = comfy_memory.ram_available()
-    nbytes, why = room(engine, 0.0)
+    facts = run_facts.gather(model, device)
+    plan = model._plan(device, False)
     available, kept = max(before, comfy_memory.ram_available()), comfy_memory.ram_kept_by_comfy()
+    assert facts.ram_kept_by_comfy == kept and 0 < facts.ram_available <= available
+    nbytes, why = home_ram(0.0, facts.ram_available, engine.facts().homes_held, facts.ram_kept_by_comfy)
     assert 0 <= nbytes <= max(0, available - MARGIN_MIN - kept)
     assert "GB available" in why and "margin" in why and (("ComfyUI keeps" in why) == bool(kept)), why
+    assert 0 <= plan.ram.room_bytes <= max(0, available - MARGIN_MIN - kept)
+    assert "GB available" in plan.ram.room_why and plan.ram.room_why in plan.line(), plan.line()
+    budgeted = SwapModelPatcher.wrap(model, SwapSettings(3, 1, ram_budget_gb=1.5))._plan(device, False)
+    assert (budgeted.ram.room_bytes, budgeted.ram.room_why) == (1_500_000_000, "ram_budget_gb 1.5")
     import comfy.cli_args
     if isinstance(comfy.cli_args.args.cache_ram, list) and not comfy.cli_args.args.cache_classic:
         assert kept >= 2 * 2**30, "0.33's RAM cache keeps at least 2 GB headroom by default"
@@ -103,11 +113,21 @@ def test_automatic_room_is_available_ram_less_margin_and_comfys_keep(wan):
 
 def test_ram_is_short_where_the_room_cannot_hold_every_block_raw(wan):
     """compress=auto codes a home=auto model's homes where its room cannot hold all its blocks raw
-    (its homes and its kept resident blocks); a room of exactly that is enough; other homes never."""
-    from ringswap.loaders.comfyui_adapter.ram_room import short_of_whole
+    (its homes and its kept resident blocks); a room of exactly that is enough; other homes never.
+    The engine's own facts and ComfyUI's numbers, planned as on a CUDA device with a coder (the
+    rule itself: tests/engine/test_load_plan.py)."""
+    from dataclasses import replace
+
+    from ringswap.loaders.comfyui_adapter import run_facts
+    from ringswap.swap.load_plan import plan_load
     path, _ = wan
-    engine = load_swapped_model(path, SwapSettings(3, 1), home="auto").swap_engine
-    total = engine.total_block_bytes()
-    assert short_of_whole(engine, (total - 1) / 1e9) and not short_of_whole(engine, (total + 1) / 1e9)
-    ram = load_swapped_model(path, SwapSettings(3, 1), home="ram").swap_engine
-    assert not short_of_whole(ram, (total - 1) / 1e9)
+
+    def short(home: str, budget_gb: float) -> bool:
+        model = load_swapped_model(path, SwapSettings(3, 1), home=home)
+        facts = replace(run_facts.gather(model, model.load_device), device="cuda:0", coder_missing=None)
+        plan = plan_load(model.swap_engine.facts(), facts, SwapSettings(3, 1, ram_budget_gb=budget_gb))
+        assert plan.ram is None or not plan.ram.file_blocks, "every streamed block fits: only the whole is short"
+        return plan.coding.code and "RAM is short" in plan.coding.why
+    total = load_swapped_model(path, SwapSettings(3, 1), home="auto").swap_engine.total_block_bytes()
+    assert short("auto", (total - 1) / 1e9) and not short("auto", (total + 1) / 1e9)
+    assert not short("ram", (total - 1) / 1e9)

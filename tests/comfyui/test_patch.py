@@ -98,7 +98,7 @@ def test_bit_exact_every_window_and_prefetch(reference, window):
             assert len(plan.streamed) == BLOCKS - window + 1
             assert probe.max_bound <= len(plan.resident) + 1
         comfy.model_management.unload_all_models()
-        assert engine.att is None, "unloading must detach the engine"
+        assert not engine.attached, "unloading must detach the engine"
 
 
 def test_stock_model_unchanged_after_swapping(reference):
@@ -116,7 +116,7 @@ def test_switching_between_stock_and_swapped_without_unloading(reference):
     for model in (stock, a, stock, b, a, b, stock):
         assert torch.equal(forward(model, *inputs(seed=1)), ref_outs[1])
     if a.model is stock.model:   # a dynamic-VRAM stock MODEL is not shared (RingSwap Patch re-bases it)
-        assert a.swap_engine.att is None, "loading the stock patcher must give the blocks back"
+        assert not a.swap_engine.attached, "loading the stock patcher must give the blocks back"
 
 
 def test_other_samplers(reference):
@@ -228,9 +228,10 @@ def test_a_tensor_class_ringswap_cannot_move_is_refused_by_name(tmp_path):
 def test_compress_on_without_cuda_or_nvcomp_is_a_clear_error_and_auto_is_off(reference, caplog):
     """compress=on where it cannot code (no CUDA, no nvCOMP, or a stock MODEL whose blocks its loader
     shares) names why at load and leaves the model unloaded; auto there is off (exact, no coded
-    homes) with one log line; a bad value is refused."""
-    from ringswap.loaders.comfyui_adapter import compress_choice
+    homes) with one log line; a bad value is refused. (The choice's rules: tests/engine/test_coding_choice.py.)"""
+    from ringswap.loaders.comfyui_adapter import swap_patcher
     from ringswap.nodes.model_loader import RingSwapModelLoader
+    from ringswap.swap.plane_coder import coder_missing
     for node in (RingSwapPatch, RingSwapModelLoader):   # optional: workflows saved before it still validate
         kind, opts = node.INPUT_TYPES()["optional"]["compress"]
         assert kind == ["auto", "on", "off"] and opts["default"] == "auto" and "nvidia-nvcomp" in opts["tooltip"]
@@ -239,59 +240,20 @@ def test_compress_on_without_cuda_or_nvcomp_is_a_clear_error_and_auto_is_off(ref
         RingSwapPatch().patch(stock, 2, 1, "auto", compress="sometimes")
     (model,) = RingSwapPatch().patch(stock, 2, 1, "auto", compress="on")
     want = ("no CUDA device" if not torch.cuda.is_available() else "nvidia-nvcomp-cu13"
-            if compress_choice.nvcomp_missing() else "shared with the node that loaded it")
+            if coder_missing() else "shared with the node that loaded it")
     with pytest.raises(RuntimeError, match=want):   # a stock MODEL's blocks are never coded
         forward(model, *inputs(seed=0))
-    assert model.swap_engine.att is None and not model.swap_engine.pool.coded
-    compress_choice._said.clear()
+    assert not model.swap_engine.attached and not model.swap_engine.pool.coded
+    swap_patcher._said.clear()
     (model,) = RingSwapPatch().patch(stock, 2, 1, "auto", compress="auto")
-    with caplog.at_level(logging.INFO, logger="ringswap.compress"):
+    with caplog.at_level(logging.INFO, logger="ringswap"):
         assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
         assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
     assert caplog.text.count("RingSwap compress auto: off") == 1
     assert not model.swap_engine.pool.coded
     # nor are resident blocks kept coded at an unload there (nor anywhere with compress=off)
-    here = model.swap_engine.att.device if model.swap_engine.att is not None else torch.device("cpu")
-    assert not compress_choice.may_code("auto", here, own_load=False)
-    assert not compress_choice.may_code("off", here, own_load=True)
-    assert compress_choice.may_code("on", here, True) is (compress_choice.cannot_code(here, True) is None)
-
-
-@pytest.mark.parametrize("mode, bound, ram_short, ram_homes, estimate, code, why", [
-    ("on", "hidden", False, True, None, True, "compress on"),
-    ("on", "copy-bound", False, False, (0.8, 0.6), False, "nothing streams from RAM"),
-    ("auto", "copy-bound", True, True, (0.8, 0.9), True, "RAM is short"),
-    ("auto", "hidden", True, True, None, True, "RAM is short"),
-    ("auto", "hidden", False, True, None, False, "copies hide"),
-    ("auto", "resident", False, True, None, False, "copies hide"),
-    ("auto", "copy-bound", False, True, (0.80, 0.60), True, "est. 0.60 s a call coded vs 0.80 s"),
-    ("auto", "copy-bound", False, True, (0.95, 0.98), False, "compress=on codes anyway"),
-    ("auto", "copy-bound", False, True, (1.00, 0.96), False, "compress=on codes anyway"),   # under 5%
-    ("auto", "unknown", False, True, None, False, "not measured yet"),
-    ("auto", "copy-bound", True, False, (0.8, 0.6), False, "nothing streams from RAM"),
-])
-def test_compress_decision_table(mode, bound, ram_short, ram_homes, estimate, code, why):
-    """Where coding is possible, whether a load codes its streamed RAM homes: on codes what streams
-    from RAM; auto where RAM is short (fewer file reads), not where copies hide, and where the run
-    is copy-bound only if the call model says coded calls are at least 5% faster."""
-    from ringswap.loaders.comfyui_adapter import compress_choice
-    got, said = compress_choice.decide(mode, bound, ram_short, ram_homes, estimate)
-    assert got is code and why in said
-
-
-@pytest.mark.parametrize("compute_s, code", [(0.438, True), (0.25, True), (0.876, False)])
-def test_compress_estimate_by_the_call_model(compute_s, code):
-    """The bench's copy-bound cells (Wan-14B bf16, 12 GiB: 9 resident + 31 streamed through 2 slots,
-    27.7 GB/s): cfg 1 at 7,800 tokens and the 4,096-token image are copy-bound with compute to
-    spare, so shorter copies pay (measured 0.75 x and 0.72 x); at cfg 5 the compute alone is near
-    the raw copies' time and the decodes would make calls slower."""
-    from ringswap.loaders.comfyui_adapter import compress_choice
-    from ringswap.swap.residency import ResidencyPlan
-    from ringswap.swap.window_plan import PlanInputs, WindowPlan
-    inputs = PlanInputs(block_sizes=(702_000_000,) * 40, nonblock_bytes=0, free_bytes=0,
-                        link_bytes_per_s=27.7e9, compute_s=compute_s)
-    plan = WindowPlan(inputs, ResidencyPlan.make(40, 10, 1), automatic=True)
-    assert plan.bound == "copy-bound" and plan.call_s > 0.78
-    coded = compress_choice.coded_call_s(plan, compress_choice.RATIO_GUESS, compress_choice.DECODE_GUESS)
-    got, _ = compress_choice.decide("auto", plan.bound, False, True, (plan.call_s, coded))
-    assert got is code, (plan.call_s, coded)
+    coding = model.ringswap_run.plan.coding
+    assert not coding.code and not coding.may_code and coding.note.startswith("RingSwap compress auto: off")
+    (off,) = RingSwapPatch().patch(stock, 2, 1, "auto", compress="off")
+    assert torch.equal(forward(off, *inputs(seed=0)), ref_outs[0])
+    assert not off.ringswap_run.plan.coding.may_code and not off.ringswap_run.plan.coding.note
