@@ -10,7 +10,7 @@ import comfy.model_management
 import comfy.patcher_extension
 import nodes as comfy_nodes
 
-from ringswap.loaders.comfyui_adapter import run_plan
+from ringswap.loaders.comfyui_adapter import run_facts
 from ringswap.nodes.patch import RingSwapPatch
 from wan_model import BLOCKS, conditioning, latent, load_stock, tiny_wan
 
@@ -123,7 +123,7 @@ def test_cfg_1_runs_one_cond_and_plans_for_it(stock, caplog):
     assert torch.equal(out, ref)
     assert calls.batches == ref_calls.batches == [1] * STEPS
     assert "; 1 model call a step" in log_lines(caplog, "RingSwap plan:")[0]
-    assert run_plan.request_of(model).conds_per_step == 1
+    assert run_facts.request_of(model).conds_per_step == 1
 
 
 def test_two_calls_when_only_one_cond_fits(stock, caplog):
@@ -131,7 +131,7 @@ def test_two_calls_when_only_one_cond_fits(stock, caplog):
     batched call's: the plan runs cond and uncond one call each, counted and exact."""
     probe = patched(stock, window=1)
     ksample(probe)
-    request = run_plan.request_of(probe)
+    request = run_facts.request_of(probe)
     assert request.batched_estimate > request.estimate > 0
     comfy.model_management.unload_all_models()
     state = probe.swap_state
@@ -160,16 +160,18 @@ def test_batching_follows_the_plan_not_the_free_memory(stock):
     batching line when the plan batches, at most at it when it does not."""
     model = patched(stock, window=1)
     ksample(model)
-    request = run_plan.request_of(model)
+    request = run_facts.request_of(model)
     line = int(1.5 * request.estimate_for(2))
     comfy.model_management.load_models_gpu([model])
     device = model.load_device
-    plan = run_plan.plan_for_load(model, device, False)
-    assert plan.batched
+    plan = model._plan(device, False)
+    assert plan.window.batched
     model.ringswap_run.plan = plan
     assert model.get_free_memory(device) > line
     import dataclasses
-    split = dataclasses.replace(plan, inputs=dataclasses.replace(plan.inputs, conds_per_call=1))
+    window = plan.window
+    split = dataclasses.replace(plan, window=dataclasses.replace(
+        window, inputs=dataclasses.replace(window.inputs, conds_per_call=1)))
     model.ringswap_run.plan = split
     assert model.get_free_memory(device) <= line
     assert BLOCKS == model.swap_engine.num_blocks
@@ -198,16 +200,19 @@ def test_measured_activations_drop_the_inference_minimums_margin(stock):
     (per call shape: latent and conds a call) keeps only ComfyUI's reserve for others."""
     model = patched(stock, window=1)
     ksample(model)
-    request = run_plan.request_of(model)
+    request = run_facts.request_of(model)
     device = model.load_device
     mm = comfy.model_management
     model.swap_state.measured.clear()   # on CUDA the run above measured its peak already
-    first = run_plan.plan_inputs(model, device, 10**12, request, conds=2)
+    first = run_facts.call_facts(model, request, 2, folded=False)
     assert (first.activation_source, first.reserve_bytes) == ("ComfyUI's estimate", int(mm.minimum_inference_memory()))
-    model.swap_state.measured[(request.noise_shape, 2)] = run_plan.Measured(activation_peak=12345)
-    later = run_plan.plan_inputs(model, device, 10**12, request, conds=2)
+    model.swap_state.measured[(request.noise_shape, 2)] = run_facts.Measured(activation_peak=12345)
+    later = run_facts.call_facts(model, request, 2, folded=False)
     assert (later.activation_bytes, later.reserve_bytes) == (12345, int(mm.extra_reserved_memory()))
-    assert run_plan.plan_inputs(model, device, 10**12, request, conds=1).activation_source == "ComfyUI's estimate"
+    assert run_facts.call_facts(model, request, 1, folded=False).activation_source == "ComfyUI's estimate"
+    # the facts a load plans with: the batched call's and the single call's
+    facts = run_facts.gather(model, device)
+    assert (facts.batched.activation_bytes, facts.single.activation_source) == (12345, "ComfyUI's estimate")
 
 
 def test_wan22_two_experts_at_cfg_5(tmp_path):

@@ -43,13 +43,13 @@ def test_wan22_two_experts_one_ring_at_a_time(experts, caplog):
         for model in (high, low):
             for s in model.swap_engine.states:
                 s.block.register_forward_pre_hook(
-                    lambda m, a: seen.append((high.swap_engine.att is not None) + (low.swap_engine.att is not None)))
+                    lambda m, a: seen.append(high.swap_engine.attached + low.swap_engine.attached))
         with caplog.at_level("INFO", logger="ringswap"):
             for _ in range(2):
                 assert torch.equal(two_expert_sample(high, low), ref), home
         assert max(seen) == 1, "both experts' rings were on the device at once"
         if home != "ram":   # the expert that is not sampling holds no pinned memory (ram keeps its home)
-            assert high.swap_engine.att is None and high.swap_engine.pool.pinned_bytes == 0
+            assert not high.swap_engine.attached and high.swap_engine.pool.pinned_bytes == 0
             assert not high.swap_engine.blocks_on_device()
         if home == "auto":   # plenty of RAM: the inactive expert keeps its resident blocks there,
             engine = high.swap_engine   # so switching back to it reads nothing from the file
@@ -66,7 +66,7 @@ def test_disk_home_two_experts_hold_one_staging_set(experts):
     high = load_swapped_model(experts[0], SwapSettings(1, 1), home="disk", disk_workers=2)
     low = load_swapped_model(experts[1], SwapSettings(1, 1), home="disk", disk_workers=2)
     two_expert_sample(high, low)
-    attached = [m for m in (high, low) if m.swap_engine.att is not None]
+    attached = [m for m in (high, low) if m.swap_engine.attached]
     assert len(attached) == 1 and attached[0] is low
     assert high.swap_engine.pool.nbytes == low.swap_engine.pool.nbytes == 0   # no RAM home
 
@@ -136,13 +136,13 @@ def test_comfyui_sees_true_memory_and_can_unload_us(experts):
 
     # something else needs just the ring's memory: the ring goes, the model stays listed
     assert lm.model_unload(memory_to_free=engine.device_bytes()) is False
-    assert engine.att is None and model.loaded_size() == state.nonblock_bytes
+    assert not engine.attached and model.loaded_size() == state.nonblock_bytes
     assert torch.equal(forward(model, *inputs(seed=0)), ref)      # restored on the next run
-    assert engine.att is not None
+    assert engine.attached
 
     # everything is needed: ComfyUI unloads us completely
     comfy.model_management.free_memory(1e30, comfy.model_management.get_torch_device())
-    assert engine.att is None and model.loaded_size() == 0
+    assert not engine.attached and model.loaded_size() == 0
     assert torch.equal(forward(model, *inputs(seed=0)), ref)
 
 
@@ -212,26 +212,26 @@ def test_blocks_go_back_when_something_else_needs_them(experts, caplog):
     # blocks go back and the new plan is attached with what they freed (never left unattached)
     model.ringswap = SwapSettings(3, 1)
     model.partially_load(model.load_device, -(engine.device_bytes() // 2))
-    assert engine.att is not att and engine.att is not None and engine.att.plan.window == 3
+    assert engine.att is not att and engine.attached and engine.plan.window == 3
     model.partially_unload(model.offload_device, 1)           # ComfyUI frees memory: taken back
-    assert engine.att is None
-    assert torch.equal(_sample(model), ref) and engine.att is not None
+    assert not engine.attached
+    assert torch.equal(_sample(model), ref) and engine.attached
 
     sibling = model.clone()
     assert torch.equal(_sample(sibling), ref)
-    assert engine.att.owner() is sibling, "a sibling patcher ran on the other's attachment"
-    assert torch.equal(_sample(model), ref) and engine.att.owner() is model
+    assert engine.owner is sibling, "a sibling patcher ran on the other's attachment"
+    assert torch.equal(_sample(model), ref) and engine.owner is model
 
     if model.model is stock.model:   # ComfyUI 0.3.75 / static: the Patch shares the stock model
         assert torch.equal(_sample(stock), ref)
-        assert engine.att is None, "the stock patcher ran with RingSwap's hooks on"
-        assert torch.equal(_sample(model), ref) and engine.att is not None
+        assert not engine.attached, "the stock patcher ran with RingSwap's hooks on"
+        assert torch.equal(_sample(model), ref) and engine.attached
 
     comfy.model_management.free_memory(1e30, comfy.model_management.get_torch_device())
-    assert engine.att is None
+    assert not engine.attached
     with caplog.at_level("INFO", logger="ringswap"):
         assert torch.equal(_sample(model), ref)
-    assert engine.att is not None and len(_plan_lines(caplog)) == 1
+    assert engine.attached and len(_plan_lines(caplog)) == 1
 
 
 def test_compiled_model_is_exact_and_a_lora_strength_change_does_not_recompile(experts):
@@ -294,6 +294,6 @@ def test_a_load_offering_less_than_the_model_holds_still_attaches_the_blocks(tmp
     comfy.model_management.unload_all_models()
     (model,) = RingSwapPatch().patch(with_lora(load_stock(path)), 2, 1, "auto")
     got = tight_second_run(model)
-    assert model.swap_engine.att is not None and model.swap_engine.att.owner() is model
+    assert model.swap_engine.attached and model.swap_engine.owner is model
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     comfy.model_management.unload_all_models()

@@ -9,9 +9,9 @@ import torch
 
 import comfy.model_management
 
-from ringswap.loaders.comfyui_adapter import compress_choice, ram_room
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
+from ringswap.swap.plane_coder import coder_missing
 import nodes as comfy_nodes
 from wan_model import conditioning, forward, inputs, latent, tiny_wan
 
@@ -22,7 +22,7 @@ BLOCKS = 8
 
 @pytest.fixture(scope="module", autouse=True)
 def nvcomp_here():
-    if not torch.cuda.is_available() or compress_choice.nvcomp_missing():
+    if not torch.cuda.is_available() or coder_missing():
         pytest.skip("needs CUDA and nvCOMP (scripts/prepare_nvcomp_wheels.sh)")
 
 
@@ -37,7 +37,7 @@ def test_compressed_homes_are_bit_exact_on_cuda(wan512_stock, wan512_file, caplo
         for prefetch in (0, 1, 2):
             for window in (1, 3, BLOCKS - prefetch - 1):
                 model = load_swapped_model(wan512_file, SwapSettings(window, prefetch, compress="on"), home=home)
-                with caplog.at_level("INFO", logger="ringswap.patcher"):
+                with caplog.at_level("INFO", logger="ringswap"):
                     for _ in range(2):
                         for k, xi in enumerate(x):
                             assert torch.equal(forward(model, *xi), ref[k]), (home, window, prefetch, k)
@@ -60,13 +60,15 @@ def test_compress_widens_home_autos_ram_split_on_the_first_load(wan512_stock, wa
     del sizing
     raw_only = load_swapped_model(wan512_file, SwapSettings(2, 1, ram_budget_gb=budget, compress="off"), home="auto")
     assert torch.equal(forward(raw_only, *xi), ref)
-    raw_split = ram_room.split_for(raw_only.swap_engine, raw_only.swap_engine.plan, budget)
+    raw_split = raw_only.ringswap_run.plan.ram   # nothing coded: the split of the first plan stands
     comfy.model_management.unload_all_models()
     model = load_swapped_model(wan512_file, SwapSettings(2, 1, ram_budget_gb=budget, compress="on"), home="auto")
     assert torch.equal(forward(model, *xi), ref)
     engine = model.swap_engine
-    assert raw_split.file_blocks and len(engine.att.ram_homes) > len(raw_split.ram_blocks)
-    assert set(engine.att.ram_homes) <= set(engine.pool.coded)
+    facts = engine.facts()
+    homes = facts.homes & set(engine.plan.streamed)   # the streamed blocks holding a RAM home
+    assert raw_split.file_blocks and len(homes) > len(raw_split.ram_blocks)
+    assert homes <= facts.coded and homes == model.ringswap_run.plan.ram_blocks
     comfy.model_management.unload_all_models()
 
 
@@ -83,13 +85,13 @@ def test_home_auto_keeps_resident_blocks_coded_and_codes_homes_where_ram_is_shor
     for mode, budget in (("auto", 0.0), ("auto", (total - 1) / 1e9), ("off", 0.0)):
         caplog.clear()
         model = load_swapped_model(wan512_file, SwapSettings(3, 1, ram_budget_gb=budget, compress=mode), home="auto")
-        with caplog.at_level("INFO", logger="ringswap.patcher"):
+        with caplog.at_level("INFO", logger="ringswap"):
             assert torch.equal(forward(model, *xi), ref)
         engine = model.swap_engine
         resident, streamed = engine.plan.resident, engine.plan.streamed
         assert resident and (set(streamed) <= set(engine.pool.coded)) is (budget > 0), (mode, budget)
         assert ("compress auto: RAM is short" in caplog.text) is (budget > 0), caplog.text
-        with caplog.at_level("INFO", logger="ringswap.home"):
+        with caplog.at_level("INFO", logger="ringswap"):
             comfy.model_management.unload_all_models()
         if mode == "off":
             assert not set(engine.pool.coded) & set(resident) and set(resident) <= set(engine.pool.blocks)
@@ -116,12 +118,12 @@ def test_auto_codes_the_homes_on_the_next_prompt_once_the_last_run_was_copy_boun
     model = load_swapped_model(wan512_file, SwapSettings(3, 1, compress="auto"), home="ram")
     assert torch.equal(ksample(model), ref)
     engine = model.swap_engine
-    att = engine.att
-    assert not engine.pool.coded and not att.compress
+    att = engine.att   # the attachment: the same object while the blocks stay placed
+    assert not engine.pool.coded and not engine.facts().attached_coded
     engine.link_bytes_per_s = 1e8   # ~80 ms a block's copy against a few ms of compute: copy-bound
-    with caplog.at_level("INFO", logger="ringswap.patcher"):
+    with caplog.at_level("INFO", logger="ringswap"):
         assert torch.equal(ksample(model), ref)
-    assert engine.att is not att and engine.att.compress, caplog.text
+    assert engine.att is not att and engine.facts().attached_coded, caplog.text
     assert set(engine.plan.streamed) <= set(engine.pool.coded)
     assert "placing the blocks again to code their homes" in caplog.text and "blocks coded to 0." in caplog.text
     att = engine.att

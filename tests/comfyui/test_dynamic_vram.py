@@ -153,11 +153,11 @@ def test_static_construction_is_seen_only_by_the_thread_that_builds(tmp_path, mo
     import threading
 
     import comfy.memory_management as memory_management
-    from ringswap.loaders.comfyui_adapter import plan_request
+    from ringswap.loaders.comfyui_adapter import file_plan
     monkeypatch.setattr(memory_management, "aimdo_enabled", True)   # as on a CUDA machine
     path = tiny_wan(str(tmp_path), blocks=12, seed=3)
     seen, done = set(), threading.Event()
-    worker = threading.Thread(target=lambda: (plan_request.file_facts(path), done.set()))
+    worker = threading.Thread(target=lambda: (file_plan.file_facts(path), done.set()))
     worker.start()
     while not done.is_set():
         seen.add(memory_management.aimdo_enabled)

@@ -68,12 +68,12 @@ def counted_call(model, x, sigma, ctx, extra):
     """forward() on a RingSwap MODEL: (output, streamed-block forwards its hooks saw in that call)."""
     comfy.model_management.load_models_gpu([model])
     engine = model.swap_engine
-    assert engine.att is not None, "loading must attach the engine"
-    before = engine.att.stats.forwards
+    assert engine.attached, "loading must attach the engine"
+    before = engine.stats.forwards
     with torch.no_grad():
         out = model.model.apply_model(x, sigma, c_crossattn=ctx, **extra).clone()
-    assert engine.att is not None, "the engine must stay attached while the model is loaded"
-    return out, engine.att.stats.forwards - before
+    assert engine.attached, "the engine must stay attached while the model is loaded"
+    return out, engine.stats.forwards - before
 
 
 def num_blocks(family, plain):
@@ -93,7 +93,7 @@ def test_bit_exact_every_window_and_prefetch(built, window):
         outs, forwards = zip(*(counted_call(model, *family.inputs(s)) for s in SEEDS))
         plan = engine.plan
         comfy.model_management.unload_all_models()
-        assert engine.att is None, "unloading must detach the engine"
+        assert not engine.attached, "unloading must detach the engine"
         for k, (a, b) in enumerate(zip(outs, refs)):
             assert torch.isfinite(b).all()
             assert torch.equal(a, b), (f"{family.name}: call {k} differs at window={w} prefetch={prefetch} "

@@ -79,7 +79,7 @@ def test_patch_on_the_stock_model(reference, window, prefetch):
     else:
         assert tuple(plan.streamed) == ()
     comfy.model_management.unload_all_models()
-    assert model.swap_engine.att is None
+    assert not model.swap_engine.attached
 
 
 @pytest.mark.parametrize("home", ["ram", "disk"])

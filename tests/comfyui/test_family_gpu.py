@@ -53,9 +53,9 @@ def calls(model, family):
     for seed in SEEDS:
         comfy.model_management.load_models_gpu([model])
         engine = getattr(model, "swap_engine", None)
-        before = engine.att.stats.forwards if engine else 0
+        before = engine.stats.forwards if engine else 0
         outs.append(fm.forward(model, *family.inputs(seed)).cpu())
-        forwards.append(engine.att.stats.forwards - before if engine else 0)
+        forwards.append(engine.stats.forwards - before if engine else 0)
     return outs, peak() - start, forwards
 
 
@@ -98,7 +98,7 @@ def test_bit_exact_streams_and_gives_vram_back(resident, window, prefetch):
     outs, top, forwards = calls(model, family)
     plan, n = engine.plan, engine.num_blocks
     comfy.model_management.unload_all_models()
-    assert engine.att is None, "unloading must detach the engine"
+    assert not engine.attached, "unloading must detach the engine"
     for seed, got, want in zip(SEEDS, outs, refs):
         assert torch.equal(got, want), (f"{family.name} window {window} prefetch {prefetch}: seed {seed} differs "
                                         f"(max abs diff {(got.float() - want.float()).abs().max().item():.3g})")

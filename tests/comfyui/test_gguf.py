@@ -41,11 +41,11 @@ def test_gguf_model_patched_equals_comfyui_gguf(gguf_dir, qtype, other):
         entry = engine.states[0].layout.entries[qkv.entries[0]]
         assert entry.dtype == torch.uint8 and qkv.codec is not None, "the block weight travels as GGUF bytes"
         # the pack's dequantize of every type here but Q8_0 waits for the stream: made dense on landing instead
-        dense = model.ringswap_run.plan.inputs.dense_bytes
+        dense = model.ringswap_run.plan.window.inputs.dense_bytes
         assert any(dense) == (qtype != "Q8_0"), (qtype, dense)
-        plan = model.ringswap_run.plan   # what the blocks hold beyond their bytes is the planned dense weights
-        assert engine.att.dense_held_bytes() == pytest.approx(plan.block_bytes_on_device - engine.device_bytes(),
-                                                              rel=0.02, abs=4096), (qtype, window, prefetch)
+        plan = model.ringswap_run.plan.window   # what the blocks hold beyond their bytes: the planned dense weights
+        assert engine.dense_held_bytes(engine.device) == pytest.approx(
+            plan.block_bytes_on_device - engine.device_bytes(), rel=0.02, abs=4096), (qtype, window, prefetch)
         comfy.model_management.unload_all_models()
 
 
@@ -78,7 +78,7 @@ def test_gguf_vace_and_flux_patched_equal_comfyui_gguf(tmp_path, family, arch):
             assert model.swap_engine.num_blocks == blocks
             for x, w in zip(xs, want):
                 assert torch.equal(fm.forward(model, *x), w), (family, window, prefetch)
-            assert any(model.ringswap_run.plan.inputs.dense_bytes), "Q5_0 is made dense on landing"
+            assert any(model.ringswap_run.plan.window.inputs.dense_bytes), "Q5_0 is made dense on landing"
             comfy.model_management.unload_all_models()
     finally:
         folder_paths.folder_names_and_paths["diffusion_models"][0].remove(str(tmp_path))
@@ -163,11 +163,11 @@ def test_plan_facts_of_a_gguf_leave_the_packs_options_alone(gguf_dir, tmp_path):
     .gguf's facts without setting them back to the defaults."""
     import shutil
 
-    from ringswap.loaders.comfyui_adapter import plan_request
+    from ringswap.loaders.comfyui_adapter import file_plan
     model = PACK.NODE_CLASS_MAPPINGS["UnetLoaderGGUFAdvanced"]().load_unet("wan_Q8_0_F32.gguf", "float32",
                                                                              "bfloat16", False)[0]
     linear = type(model.model.diffusion_model.head.head)
-    plan_request.file_facts(shutil.copy(os.path.join(gguf_dir, "wan_Q5_0_F32.gguf"), str(tmp_path / "facts.gguf")))
+    file_plan.file_facts(shutil.copy(os.path.join(gguf_dir, "wan_Q5_0_F32.gguf"), str(tmp_path / "facts.gguf")))
     assert (linear.dequant_dtype, linear.patch_dtype) == (torch.float32, torch.bfloat16)
     load_gguf("wan_Q8_0_F32.gguf")   # the pack's own Unet Loader (GGUF) sets its defaults back
     assert (linear.dequant_dtype, linear.patch_dtype) == (None, None)
@@ -211,7 +211,7 @@ def test_model_loader_gguf_file_replaced_is_named(gguf_dir, tmp_path):
     os.replace(shutil.copy(os.path.join(gguf_dir, "wan_Q5_0_F32.gguf"), path + ".new"), path)
     with pytest.raises(FileChangedError, match="replaced.gguf"):
         forward(model, *inputs(seed=0))
-    assert model.swap_engine.att is None
+    assert not model.swap_engine.attached
     comfy.model_management.unload_all_models()
     want = forward(load_gguf("wan_Q5_0_F32.gguf"), *inputs(seed=0))
     comfy.model_management.unload_all_models()
@@ -287,7 +287,7 @@ def test_gguf_on_cuda_bit_exact_and_lora_close(gguf_dir, qtype):
             assert (got - want).float().norm() <= 0.02 * (want - plain).float().norm(), (qtype, window, prefetch)
         folder, device = model.block_folder_on(model.load_device), model.load_device
         assert 0 < folder.kept_bytes(device) <= folder.pair_bytes(device), "the LoRA pairs kept as planned"
-        plan = model.ringswap_run.plan   # windows 2 (prefetch 2) and 4 hold every block; 1 streams
+        plan = model.ringswap_run.plan.window   # windows 2 (prefetch 2) and 4 hold every block; 1 streams
         assert plan.inputs.dense_per_call == (not plan.residency.streamed), "held where blocks stream, per call where all are resident"
         comfy.model_management.unload_all_models()
     # the Q4_K file's linears whose rows are not whole super-blocks are Q8_0

@@ -12,7 +12,6 @@ import torch
 import comfy.model_management
 import nodes
 
-from ringswap.loaders.comfyui_adapter import run_plan
 from ringswap.loaders.comfyui_adapter.comfy_models import inference_dtype
 from ringswap.lora import kernels
 from ringswap.nodes.patch import RingSwapPatch
@@ -79,13 +78,13 @@ def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir, caplog):
     at that strength, with no read of the file in between."""
     name = "wan_Q8_0_F32.gguf"
     base = load_gguf(name)
-    caplog.set_level("INFO", logger="ringswap.patcher")
+    caplog.set_level("INFO", logger="ringswap.swap_patcher")
     for strength in (1.0, 0.5):
         want = forward(lora_on(load_gguf(name), "kohya", strength), *inputs(seed=0))
         comfy.model_management.unload_all_models()
         (model,) = RingSwapPatch().patch(lora_on(base, "kohya", strength), 2, 1, "auto")
         assert same_lora(forward(model, *inputs(seed=0)), want), strength
-        planned = run_plan.plan_inputs(model, torch.device("cpu"), 10**12, None)
+        planned = model._plan(torch.device("cpu"), False).window.inputs
         itemsize = torch.empty(0, dtype=inference_dtype(model.model)).element_size()   # what the model computes in
         dense = sum(o * i for o, i in (linear_shape(n, 128, 256) for n in LINEARS)) * itemsize
         assert planned.block_sizes == tuple(s.layout.nbytes for s in model.swap_engine.states), "copied bytes"
@@ -93,7 +92,7 @@ def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir, caplog):
         assert planned.nonblock_bytes > model.swap_state.nonblock_bytes, "the fold's workspace is planned"
         comfy.model_management.unload_all_models()
     assert any("GGUF dense weights: 0.00 GB a block" in r.getMessage() for r in caplog.records
-               if r.name == "ringswap.patcher"), "the plan line says what the dense folds take"
+               if r.name == "ringswap.swap_patcher"), "the plan line says what the dense folds take"
 
 
 def test_dense_folds_plan_the_packs_dequantize_temporaries(gguf_dir):
@@ -143,16 +142,17 @@ def test_weights_made_dense_on_landing_stay_packed_where_only_that_fits(gguf_dir
     def planned(budget_kb, model=base):
         (m,) = RingSwapPatch().patch(model, 0, 1, "auto", vram_budget_gb=budget_kb / 1e6)
         try:
-            return m, run_plan.plan_for_load(m, cpu, False)
+            return m, m._plan(cpu, False)
         except NotEnoughVRAM:
             return m, None
     budgets = range(500, 20000, 50)
     first = next(kb for kb in budgets if planned(kb)[1] is not None)
     model, plan = planned(first)
-    assert model.ringswap_run.packed_only and not any(plan.inputs.dense_bytes), "only packed weights fit"
+    assert model.ringswap_run.packed_only and plan.packed_only and not any(plan.window.inputs.dense_bytes), \
+        "only packed weights fit"
     dense_kb = next(kb for kb in budgets if kb > first and not planned(kb)[0].ringswap_run.packed_only)
     model, plan = planned(dense_kb)
-    assert any(plan.inputs.dense_bytes) and model.block_folder_on(cpu).dense_unpatched
+    assert not plan.packed_only and any(plan.window.inputs.dense_bytes) and model.block_folder_on(cpu).dense_unpatched
     (model,) = RingSwapPatch().patch(base, 0, 1, "auto", vram_budget_gb=first / 1e6)
     with caplog.at_level(logging.INFO, logger="ringswap"):
         assert torch.equal(forward(model, *inputs(seed=0)), want)

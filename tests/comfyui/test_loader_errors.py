@@ -310,7 +310,7 @@ def test_truncated_between_runs_raises_then_recovers(wan8):
     comfy.model_management.unload_all_models()
     _, err = run_with_timeout(lambda: forward(model, *inputs(seed=0)))
     assert isinstance(err, FileChangedError) and path in str(err) and "load the model again" in str(err), err
-    assert model.swap_engine.att is None and not model.swap_engine.blocks_on_device()
+    assert not model.swap_engine.attached and not model.swap_engine.blocks_on_device()
     del err
     comfy.model_management.unload_all_models()
     fresh = load_swapped_model(path, SwapSettings(2, 1), home="disk", disk_workers=2)

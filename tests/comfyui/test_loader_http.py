@@ -222,7 +222,7 @@ def test_compress_over_http_off_and_auto_exact_on_names_what_is_missing(server):
     """compress through the server: off and auto give the stock latent; on where it cannot code
     (no CUDA in CI, or no nvCOMP) fails the prompt with a message naming what is missing, and the
     next prompt runs."""
-    from ringswap.loaders.comfyui_adapter import compress_choice
+    from ringswap.swap.plane_coder import coder_missing
     node = server.object_info("RingSwapModelLoader")["RingSwapModelLoader"]
     kind, opts = node["input"]["optional"]["compress"]
     assert kind == ["auto", "on", "off"] and opts["default"] == "auto" and "nvidia-nvcomp" in opts["tooltip"]
@@ -232,7 +232,7 @@ def test_compress_over_http_off_and_auto_exact_on_names_what_is_missing(server):
         wf = build_loader_workflow(UNET, seed=5, steps=2, filename_prefix=f"compress_{mode}")
         wf["1"]["inputs"]["compress"] = mode
         assert torch.equal(latent_of(server, server.run(wf, timeout=300)), ref), mode
-    if CUDA and compress_choice.nvcomp_missing() is None:
+    if CUDA and coder_missing() is None:
         pytest.skip("nvCOMP and CUDA are here: compress=on codes (tests/comfyui/test_gpu.py)")
     wf = build_loader_workflow(UNET, seed=5, steps=2, filename_prefix="compress_on")
     wf["1"]["inputs"]["compress"] = "on"

@@ -113,7 +113,7 @@ def test_disk_home_holds_no_block_memory_after_unload(wan):
     resident = model.swap_engine.plan.resident
     assert resident, "the plan should keep some blocks resident"
     comfy.model_management.unload_all_models()
-    assert model.swap_engine.att is None
+    assert not model.swap_engine.attached
     assert bound_blocks(model) == [], (f"blocks {bound_blocks(model)} still hold their weights after "
                                       f"unloading (resident: {list(resident)})")
 

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype, compress", [(torch.bfloat16, "off"), (torch.float32, "off"), (torch.bfloat16, "on")])
 def test_cuda_fold_equals_comfyui_patching(tmp_path, dtype, compress):
     """compress on: the blocks land coded, are decoded, then folded, with the same bound."""
-    from ringswap.loaders.comfyui_adapter import compress_choice
-    if compress == "on" and compress_choice.nvcomp_missing():
+    from ringswap.swap.plane_coder import coder_missing
+    if compress == "on" and coder_missing():
         pytest.skip("needs nvCOMP (scripts/prepare_nvcomp_wheels.sh)")
     dim, ffn_dim = (512, 2048) if compress == "on" else (128, 256)   # blocks large enough to code
     path = tiny_wan(str(tmp_path), blocks=4, dim=dim, ffn_dim=ffn_dim, dtype=dtype)

@@ -1,9 +1,10 @@
 """GET /ringswap/plan over a real ComfyUI server's HTTP API, and vram_budget_gb in a run.
 
 A listed model gets the plan a run would get (the window of a budgeted run is the one the
-route said); names outside ComfyUI's diffusion_models list (a path with `..`, an absolute
-path) get 404 without the file being opened (it is a FIFO here: opening it would hang
-the server), bad numbers get 400, and the server stays healthy.
+route said, and a run's plan line starts with the route's); names outside ComfyUI's
+diffusion_models list (a path with `..`, an absolute path) get 404 without the file being
+opened (it is a FIFO here: opening it would hang the server), bad numbers get 400, and the
+server stays healthy.
 """
 import json
 import os
@@ -118,6 +119,55 @@ def test_a_budgeted_run_gets_the_routes_window(server):
     assert window == expected["window"] == 3, (lines[0], expected["line"])
 
 
+LINE_UNET = "tiny_wan_plan_line.safetensors"
+AT_THE_MOMENT = [   # numbers of the plan line that follow the free VRAM and RAM at the moment it is made
+    (re.compile(r"of [0-9.]+ GB free"), "of <free> GB free"),
+    (re.compile(r"RAM counted on [0-9.]+ GB"), "RAM counted on <room> GB"),
+    (re.compile(r"\([0-9.]+ GB available"), "(<available> GB available"),
+    (re.compile(r"- [0-9.]+ GB margin"), "- <margin> GB margin"),
+]
+
+
+def at_any_moment(line: str) -> str:
+    """`line` from "RingSwap plan:" on, with the numbers that follow free VRAM and RAM replaced."""
+    line = line[line.index("RingSwap plan:"):]
+    for pattern, word in AT_THE_MOMENT:
+        line = pattern.sub(word, line)
+    return line
+
+
+@pytest.mark.parametrize("home", ["auto", "ram"])
+def test_the_route_and_a_run_say_the_same_plan_line(server, shared_models, home):
+    """The plan route and a RingSwap Model Loader run of the same file, size, window, prefetch, home
+    and compress say the same plan line: the route's `line` is the start of the run's plan line
+    (which goes on with what the attach did: memory, homes held, seconds). Both come from
+    swap.load_plan.plan_load. A set window keeps the plan itself apart from the free memory, but
+    the line still says the free VRAM, and with home=auto the RAM counted on (RAM available, less
+    a margin that follows it): those numbers move between the two moments (other work, the page
+    cache, the run's own allocations), so they are compared with the numbers replaced. A fresh file
+    for each home: its engine has measured no rates yet, as the route assumes."""
+    name = f"{home}_{LINE_UNET}"
+    write_tiny_wan(os.path.join(shared_models, "diffusion_models", name), dim=128, num_layers=BLOCKS,
+                   ffn_dim=256, dtype=torch.bfloat16, seed=5)
+    status, plan = get(server, model=name, width=64, height=64, frames=5, window=2, prefetch=1, home=home,
+                       compress="auto", conds=1)   # cfg 1: one cond a step
+    assert status == 200 and plan["fits"], plan
+    wf = build_workflow(name, use_patch=False, width=64, height=64, length=5, cfg=1.0, steps=2,
+                        filename_prefix=f"plan_line_{home}")
+    wf["1"] = {"class_type": "RingSwapModelLoader",
+               "inputs": {"unet_name": name, "window": 2, "prefetch": 1, "home": home, "pin_memory": "auto",
+                          "disk_workers": 2, "compress": "auto"}}
+    before = server.log_text().count("RingSwap plan:")
+    server.run(wf, timeout=300)
+    lines = [ln for ln in server.log_text().splitlines() if "RingSwap plan:" in ln][before:]
+    assert len(lines) == 1, lines
+    route, ran = at_any_moment(plan["line"]), at_any_moment(lines[0])
+    assert ran.startswith(route + "; "), f"\nroute: {route}\nrun:   {ran}"
+    assert route.startswith(f"RingSwap plan: window 2 of {BLOCKS} (set; 1 resident + ring 2)"), route
+    assert ("home auto: " in route) is (home == "auto"), route
+    assert " memory, " in ran[len(route):] and "placed in " in ran[len(route):], ran
+
+
 @pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "..", "sub/../" + UNET,
                                   UNET + "/..", "nothing.safetensors", "../outside/secret.safetensors"])
 def test_names_outside_the_list_are_refused(server, name):
@@ -150,11 +200,12 @@ def test_bad_numbers_are_refused(server, query, needle):
 def test_plan_counts_the_decode_scratch_where_the_load_may_code(server):
     """compress and home as on the Model Loader: the decode scratch is in the plan's non-block
     bytes where that load may code (on; auto with home=auto), on CUDA with nvCOMP only."""
-    from ringswap.loaders.comfyui_adapter import compress_choice
+    from ringswap.swap.coding_choice import SCRATCH_BYTES
+    from ringswap.swap.plane_coder import coder_missing
     base = {"model": UNET, "width": 64, "height": 64}
     got = {(home, mode): get(server, **base, home=home, compress=mode)[1]["nonblock_bytes"]
            for home in ("auto", "ram") for mode in ("auto", "on", "off")}
-    scratch = compress_choice.SCRATCH_BYTES if CUDA and compress_choice.nvcomp_missing() is None else 0
+    scratch = SCRATCH_BYTES if CUDA and coder_missing() is None else 0
     off = got[("ram", "off")]
     assert got == {("auto", "auto"): off + scratch, ("auto", "on"): off + scratch, ("auto", "off"): off,
                    ("ram", "auto"): off, ("ram", "on"): off + scratch, ("ram", "off"): off}

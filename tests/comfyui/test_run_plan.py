@@ -14,9 +14,10 @@ import torch
 import comfy.model_management
 import nodes as comfy_nodes
 
-from ringswap.loaders.comfyui_adapter import run_plan
+from ringswap.loaders.comfyui_adapter import run_facts, sampling
 from ringswap.nodes.patch import RingSwapPatch
 from ringswap.swap import ResidencyPlan
+from ringswap.swap.load_plan import place_seconds
 from ringswap.swap.window_plan import NotEnoughVRAM
 from support.faults import inject_oom
 from wan_model import conditioning, latent, load_stock, tiny_wan
@@ -87,14 +88,14 @@ def test_a_clone_starts_a_fresh_run_state(stock):
 def test_budget_sizes_the_automatic_window(stock, reference):
     probe = patched(stock, 0)
     ksample(probe)
-    inp = probe.ringswap_run.plan.inputs
+    inp = probe.ringswap_run.plan.window.inputs
     assert probe.swap_engine.plan.streamed == ()          # CPU without a budget: all resident
     block = max(inp.block_sizes)
     for on_device in (2, 3, 5):                            # window + prefetch blocks of room
         budget = (inp.nonblock_bytes + inp.activation_bytes + on_device * block + block // 2) / GB
         model = patched(stock, 0, 1, budget)
         assert torch.equal(ksample(model), reference)
-        plan = model.ringswap_run.plan
+        plan = model.ringswap_run.plan.window
         assert (plan.window, plan.automatic) == (on_device - 1, True), plan.line()
         assert model.swap_engine.plan.window == on_device - 1
         comfy.model_management.unload_all_models()
@@ -107,22 +108,22 @@ def test_automatic_window_that_ran_this_size_stays_placed(stock, reference, capl
     than there is now. A copy-bound window, or less memory than when it ran, is placed again."""
     probe = patched(stock, 0)
     ksample(probe)
-    inp = probe.ringswap_run.plan.inputs
+    inp = probe.ringswap_run.plan.window.inputs
     comfy.model_management.unload_all_models()
     block = max(inp.block_sizes)
     activation = inp.activation_bytes + 2 * block
     model = patched(stock, 0, 1, (inp.nonblock_bytes + activation + 3 * block + block // 2) / GB)
     shape = probe.ringswap_run.request.noise_shape
     model.swap_state.measured.clear()
-    model.swap_state.measured[(shape, 1)] = run_plan.Measured(activation_peak=activation)
+    model.swap_state.measured[(shape, 1)] = run_facts.Measured(activation_peak=activation)
     assert torch.equal(ksample(model), reference)
     engine = model.swap_engine
-    att = engine.att
-    assert att.plan.window == 2
+    att = engine.att   # the attachment: the same object while the blocks stay placed
+    assert engine.plan.window == 2
     measured = model.swap_state.measured[(shape, 1)]
-    assert measured.ran == att.plan and measured.free_after > 0              # window 2 ran this size
+    assert measured.ran == engine.plan and measured.free_after > 0           # window 2 ran this size
     measured.activation_peak, measured.compute_s = activation - block, 1.0   # room for window 3 now
-    measured.free_after = run_plan.free_for(model, att.device) - GB          # (free RAM moves on a CPU)
+    measured.free_after = run_facts.free_for(model, engine.device) - GB          # (free RAM moves on a CPU)
     engine.link_bytes_per_s = 1e12                                           # the copies hide
     with caplog.at_level(logging.INFO, logger="ringswap"):
         assert torch.equal(ksample(model), reference)
@@ -131,7 +132,7 @@ def test_automatic_window_that_ran_this_size_stays_placed(stock, reference, capl
     assert plan.startswith("RingSwap plan: window 2 of 8 (auto;") and \
         plan.endswith("kept on the device from the last run (window 3 would fit; the copies hide already)"), plan
     engine.link_bytes_per_s, measured.compute_s = 1.0, 1.0                   # copy-bound: place window 3
-    measured.free_after = run_plan.free_for(model, att.device) - GB
+    measured.free_after = run_facts.free_for(model, engine.device) - GB
     assert torch.equal(ksample(model), reference)
     assert engine.att is not att and engine.plan.window == 3
     assert measured.ran == engine.plan and measured.free_after > 0           # window 3 ran this size
@@ -140,7 +141,7 @@ def test_automatic_window_that_ran_this_size_stays_placed(stock, reference, capl
     # out of the free memory), but it ran this size with no more memory than there is now: kept
     att = engine.att
     measured.activation_peak = activation
-    measured.free_after = run_plan.free_for(model, engine.att.device) - GB
+    measured.free_after = run_facts.free_for(model, engine.device) - GB
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ringswap"):
         assert torch.equal(ksample(model), reference)
@@ -148,7 +149,7 @@ def test_automatic_window_that_ran_this_size_stays_placed(stock, reference, capl
     (plan,) = messages(caplog, "RingSwap plan:")
     assert plan.endswith("kept on the device from the last run (it ran this size last time with no more "
                          "memory than now; the planner's numbers give window 2)"), plan
-    measured.free_after = run_plan.free_for(model, engine.att.device) + 10 * GB   # less memory now: place again
+    measured.free_after = run_facts.free_for(model, engine.device) + 10 * GB   # less memory now: place again
     assert torch.equal(ksample(model), reference)
     assert engine.att is not att and engine.plan.window == 2
     comfy.model_management.unload_all_models()
@@ -158,7 +159,7 @@ def test_budget_that_holds_no_block_is_refused(stock):
     model = patched(stock, 0, 1, 0.0001)
     with pytest.raises(NotEnoughVRAM, match=r"not even one block fits on cpu: .* budget 0\.00 GB"):
         ksample(model)
-    assert model.swap_engine.att is None
+    assert not model.swap_engine.attached
     assert ksample(patched(stock, 3)) is not None           # the next run works
 
 
@@ -191,7 +192,7 @@ def test_second_out_of_memory_fails_the_run_and_holds_nothing(stock, reference):
     inject_oom(engine, call=1, block=4, times=2)
     with pytest.raises(torch.OutOfMemoryError, match="again after shrinking to window 3, prefetch 1"):
         ksample(model)
-    assert engine.att is None
+    assert not engine.attached
     assert all(s.device_buffer is None and s.slot is None for s in engine.states)
     assert torch.equal(ksample(model), reference)            # and the prompt after runs
 
@@ -201,7 +202,7 @@ def test_out_of_memory_at_the_smallest_plan_fails_clearly(stock, reference):
     inject_oom(model.swap_engine, call=1, block=3)
     with pytest.raises(torch.OutOfMemoryError, match="at window 1, prefetch 0, already the smallest plan"):
         ksample(model)
-    assert model.swap_engine.att is None
+    assert not model.swap_engine.attached
     assert torch.equal(ksample(model), reference)
 
 
@@ -219,7 +220,7 @@ def test_out_of_memory_recovery_on_cuda_is_bit_exact_and_frees_the_ring(stock):
     inject_oom(model.swap_engine, call=1, block=4, times=2)
     with pytest.raises(torch.OutOfMemoryError, match="again after shrinking"):
         ksample(model)
-    assert model.swap_engine.att is None
+    assert not model.swap_engine.attached
     comfy.model_management.unload_all_models()
     assert torch.cuda.memory_allocated() <= base
 
@@ -260,7 +261,7 @@ def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
     comfy.model_management.unload_all_models()
     probe = patched(stock12, 0)
     sample(probe)
-    inp = probe.ringswap_run.plan.inputs
+    inp = probe.ringswap_run.plan.window.inputs
     comfy.model_management.unload_all_models()
     block = max(inp.block_sizes)
     model = patched(stock12, 0, 1, (inp.nonblock_bytes + inp.activation_bytes + 4 * block + block // 2) / GB)
@@ -269,12 +270,12 @@ def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
 
     def after_step(i, *_):
         if i == 0:
-            seen.append(run_plan.replan_by_rates(model, lambda old, new: None, rates))
+            seen.append(sampling.replan_by_rates(model, lambda old, new: None, rates))
     with caplog.at_level(logging.INFO, logger="ringswap"):
         assert torch.equal(sample(model, after_step), ref)
     (new,) = seen
-    assert run_plan.request_of(model).steps == steps   # from the sampler's sigmas (OUTER_SAMPLE)
-    assert new is not None and (new.window, new.prefetch) == (2, 2), new
+    assert run_facts.request_of(model).steps == steps   # from the sampler's sigmas (OUTER_SAMPLE)
+    assert new is not None and (new.window.window, new.window.prefetch) == (2, 2), new
     assert model.ringswap_run.plan is new
     plans = messages(caplog, "RingSwap plan:")
     assert plans[0].startswith("RingSwap plan: window 3 of 12 (auto;"), plans
@@ -294,10 +295,10 @@ def test_first_prompt_replans_by_the_first_calls_rates(stock12, caplog):
             engine = short.swap_engine
             kept = engine.states[11].device_buffer
             assert engine.plan.resident == (5, 11)
-            assert run_plan.place_seconds(engine, ResidencyPlan.make(12, 2, 2), None, rates[1]) == 0
+            assert place_seconds(engine.facts(), ResidencyPlan.make(12, 2, 2), None, rates[1]) == 0
             grown = ResidencyPlan.make(12, 4, 1)   # (3, 7, 11): two blocks to copy from RAM
-            assert run_plan.place_seconds(engine, grown, None, rates[1]) == pytest.approx(2 * block / rates[1])
-            seen.append(run_plan.replan_by_rates(short, lambda old, new: None, rates))
+            assert place_seconds(engine.facts(), grown, None, rates[1]) == pytest.approx(2 * block / rates[1])
+            seen.append(sampling.replan_by_rates(short, lambda old, new: None, rates))
             assert engine.states[11].device_buffer is kept   # still on the device, not placed again
     assert torch.equal(sample(short, late, steps=3), ref3)
     assert seen[-1] is not None and short.swap_engine.plan.window == 2

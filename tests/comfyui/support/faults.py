@@ -9,7 +9,7 @@ def inject_oom(engine, call: int, block: int, times: int = 1):
     left = [times]
 
     def hook(module, args):
-        if left[0] and engine.att is not None and engine.att.stats.calls == call:
+        if left[0] and engine.attached and engine.stats.calls == call:
             left[0] -= 1
             raise torch.OutOfMemoryError(f"injected allocation failure at block {block} of model call {call}")
     return engine.states[block].block.register_forward_pre_hook(hook)
