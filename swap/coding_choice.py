@@ -56,17 +56,21 @@ def scratch_bytes(mode: str, may_run_short: bool, usable: bool, coded: bool = Fa
 
 
 def choose(mode: str, why_not: str | None, plan: WindowPlan, ram_short: bool, ram_homes: bool,
-           ratio: float = 0.0, decode_rate: float = 0.0) -> CodingChoice:
+           ratio: float = 0.0, decode_rate: float = 0.0, preview: bool = False) -> CodingChoice:
     """The decision for `plan`. `why_not`: cannot_code's answer; `ram_short`: some streamed block
     is read from the file, or RAM cannot hold all the blocks raw; `ram_homes`: some streamed block
     has a RAM home; `ratio`/`decode_rate`: measured by earlier coding (0: use the guesses).
-    on raises a clear error where nothing can code; auto is then off with a note."""
+    on raises a clear error where nothing can code (a `preview`, the plan route, says it in `why`);
+    auto is then off with a note."""
     may = mode != "off" and why_not is None
     if mode == "off":
         return CodingChoice()
     if why_not is not None:
+        error = why_not if why_not.startswith("RingSwap") else f"RingSwap: compress='on' but {why_not}"
+        if mode == "on" and preview:
+            return CodingChoice(why=f"{error.removeprefix('RingSwap: ')}: a run stops with this error")
         if mode == "on":
-            raise RuntimeError(why_not if why_not.startswith("RingSwap") else f"RingSwap: compress='on' but {why_not}")
+            raise RuntimeError(error)
         return CodingChoice(note=f"RingSwap compress auto: off ({why_not.removeprefix('RingSwap compress: ')})")
     estimate = None
     if plan.bound == "copy-bound":

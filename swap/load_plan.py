@@ -124,6 +124,7 @@ class RunFacts:
     #                                          latent last time with no more device memory than now
     rates: tuple[float, float, float] = (0.0, 0.0, 0.0)   # RATES: compute s a call, link bytes/s, fold s a block
     calls_left: int = 0                   # RATES: model calls left in the run
+    preview: bool = False                 # a plan shown before a run (the plan route): on's error goes in its words
 
     @property
     def cuda(self) -> bool:
@@ -259,7 +260,7 @@ def _coding(engine: EngineFacts, run: RunFacts, settings: SwapSettings, window: 
         < engine.total_block_bytes)
     homed = bool(ram_homes(engine, window.residency, ram) & set(window.residency.streamed))
     return coding_choice.choose(settings.compress, why_not, window, short, homed, engine.coding_ratio,
-                                engine.decode_rate)
+                                engine.decode_rate, run.preview)
 
 
 def _keep(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -> LoadPlan:

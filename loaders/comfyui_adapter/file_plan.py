@@ -102,5 +102,5 @@ def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: in
     run = RunFacts(device=str(device), free_bytes=free_for_run(device), nonblock_bytes=facts.nonblock_bytes,
                    batched=call(conds), single=call(1), conds_per_step=conds, all_asked=device.type == "cpu",
                    coder_missing=coder_missing(), ram_available=comfy_memory.ram_available(),
-                   ram_kept_by_comfy=comfy_memory.ram_kept_by_comfy())
+                   ram_kept_by_comfy=comfy_memory.ram_kept_by_comfy(), preview=True)
     return plan_load(engine, run, SwapSettings(window, prefetch, vram_budget_gb=vram_budget_gb, compress=compress))

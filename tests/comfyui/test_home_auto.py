@@ -24,12 +24,12 @@ def wan(tmp_path_factory):
 
 def test_budget_splits_streamed_blocks_between_ram_and_file(wan, caplog):
     path, want = wan
-    base = load_swapped_model(path, SwapSettings(3, 1), home="auto", disk_workers=2)
+    base = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
     engine = base.swap_engine
     assert not engine.pool.nbytes, "home=auto reads nothing at load"
     block = engine.states[0].layout.nbytes
     budget = (2 + 2) * block / 1e9 + 1e-6   # two staging buffers + two homes
-    model = SwapModelPatcher.wrap(base, SwapSettings(3, 1, ram_budget_gb=budget))
+    model = SwapModelPatcher.wrap(base, SwapSettings(3, 1, ram_budget_gb=budget, compress="off"))
     with caplog.at_level(logging.INFO, logger="ringswap"):
         got = forward(model, *inputs(seed=0))
     assert torch.equal(got, want)
@@ -50,7 +50,7 @@ def test_automatic_room_holds_every_streamed_block_and_plan_changes_read_back(wa
     its resident blocks in RAM, so a plan that streams them reads nothing; with no room left
     beside its homes (a RAM budget) they go back to the file and the next plan reads them back."""
     path, want = wan
-    base = load_swapped_model(path, SwapSettings(3, 1), home="auto", disk_workers=2)
+    base = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
     engine = base.swap_engine
     block = engine.states[0].layout.nbytes
     assert torch.equal(forward(base, *inputs(seed=0)), want)
@@ -58,12 +58,12 @@ def test_automatic_room_holds_every_streamed_block_and_plan_changes_read_back(wa
     resident = set(engine.plan.resident)
     comfy.model_management.unload_all_models()
     assert set(engine.pool.blocks) == set(range(BLOCKS)), "taken off the device: resident blocks kept in RAM"
-    smaller = SwapModelPatcher.wrap(base, SwapSettings(1, 1))   # resident blocks now stream, from RAM
+    smaller = SwapModelPatcher.wrap(base, SwapSettings(1, 1, compress="off"))   # resident blocks now stream, from RAM
     assert torch.equal(forward(smaller, *inputs(seed=0)), want)
     assert engine.read_back[0] == 0
     comfy.model_management.unload_all_models()
     budget = (BLOCKS - len(resident)) * block / 1e9 + 1e-6   # the streamed homes, nothing beside them
-    tight = SwapModelPatcher.wrap(base, SwapSettings(3, 1, ram_budget_gb=budget))
+    tight = SwapModelPatcher.wrap(base, SwapSettings(3, 1, ram_budget_gb=budget, compress="off"))
     assert torch.equal(forward(tight, *inputs(seed=0)), want)
     comfy.model_management.unload_all_models()
     assert set(engine.pool.blocks) == set(range(BLOCKS)) - resident, "no room: resident blocks back to the file"
@@ -74,7 +74,7 @@ def test_automatic_room_holds_every_streamed_block_and_plan_changes_read_back(wa
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap plan:"))
     assert f"read {len(resident) * block / 1e9:.2f} GB from the file" in line, line
     comfy.model_management.unload_all_models()
-    everything = SwapModelPatcher.wrap(base, SwapSettings(BLOCKS, 1))   # all resident: no RAM homes
+    everything = SwapModelPatcher.wrap(base, SwapSettings(BLOCKS, 1, compress="off"))   # all resident: no RAM homes
     assert torch.equal(forward(everything, *inputs(seed=0)), want)
     assert not engine.pool.blocks
     comfy.model_management.unload_all_models()
