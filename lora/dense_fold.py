@@ -24,10 +24,10 @@ log = logging.getLogger("ringswap.dense_fold")
 
 WORKSPACE_FLOATS = 4   # float32 temporaries of one weight while it is dequantized and patched
 # the types with a kernel, and the peak bytes a value of the pack's dequantize beyond the dense
-# weight, which the kernel's fallback needs (bench/dequant_peak.py, the larger of its two dtypes)
+# weight, which the kernel's fallback needs (bench/probes/dequant_peak.py, the larger of its two dtypes)
 FALLBACK_BYTES = {"Q8_0": 2.2, "Q4_0": 3.2, "Q4_1": 3.3, "Q5_0": 8.7, "Q5_1": 8.8, "Q4_K": 3.6, "Q5_K": 5.5,
                   "Q6_K": 5.4}
-DEQUANT_BYTES = 8.5   # the most of the types without a kernel (IQ4_XS's; each type's: bench/dequant_peak.py)
+DEQUANT_BYTES = 8.5   # the most of the types without a kernel (IQ4_XS's; each type's: bench/probes/dequant_peak.py)
 _KERNEL_OK: dict = {}   # (type, dequant dtype, model dtype, device) -> the kernel equals the pack's dequantize there
 
 

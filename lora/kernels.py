@@ -2,7 +2,7 @@
 
 Why our own kernels: neither torch, ComfyUI nor comfy_kitchen has an op that adds low-rank
 products to a quantized weight. Op by op, folding a per-tensor-scaled fp8 weight is five
-float32 passes over the block (bench/fold.py measures what that costs), so:
+float32 passes over the block (bench/probes/fold.py measures what that costs), so:
 - `fold_fp8_` (per-tensor scaled fp8) and `fold_nvfp4_` (comfy_kitchen's nvfp4 layout) read
   the quantized bytes twice, once for the folded weight's amax and once to requantize in
   place with the fresh scales, recomputing the rank-r product per tile from LoRA factors
@@ -38,7 +38,7 @@ _BUILT: set = set()    # (kernel, device) pairs that ran
 _RAN: set = set()      # (kernel, device, compiled variant) that ran: a later failure is a real error
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}   # mantissa bits, min exponent
 WIDE_BR = 64   # ranks per dot for 16-bit factors whose ranks allow it (32 otherwise)
-# rows, columns, warps of a tile (bench/fold_kernels.py); the GGUF ones are lora/gguf_kernels.py's
+# rows, columns, warps of a tile (bench/probes/fold_kernels.py); the GGUF ones are lora/gguf_kernels.py's
 TILES = {"fp8": (64, 64, 4), "add": (128, 128, 8), "nvfp4": (64, 64, 4), "q8_0": (128, 128, 8),
          "q4_k": (64, 128, 4), "q5_k": (64, 128, 4), "q6_k": (64, 128, 4), "q4_0": (128, 128, 8),
          "q4_1": (128, 128, 8), "q5_0": (128, 128, 8), "q5_1": (128, 128, 8)}

@@ -89,7 +89,7 @@ COMPRESS = Choice(COMPRESS_MODES, "auto", tooltip=(
     "Keep the blocks that stream from RAM losslessly compressed (bf16/fp16: their sign-and-exponent "
     "bytes coded with NVIDIA nvCOMP's ANS, about 0.7 x the bytes): less RAM and fewer bytes over the "
     "link, decoded on the GPU, bit-identical output. auto: when nvCOMP and CUDA are there and RAM is "
-    "short (the plan line says; not yet for runs that are only copy-bound); on: always (an error "
+    "short, or where a measured run was copy-bound and coding is estimated at least 5% faster a call (the plan line says why); on: always (an error "
     "without nvCOMP: pip install nvidia-nvcomp-cu13, or -cu12 for a CUDA 12 torch); off: never."))
 PIN_MEMORY = Choice(PIN_MODES, "auto", tooltip=(
     "Page-lock the host copies of streamed blocks for fast async copies. auto: pin, and fall back "

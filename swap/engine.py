@@ -357,13 +357,6 @@ class BlockSwapEngine:
         return att.stats
 
     # ----- introspection ---------------------------------------------------------------
-    def blocks_on_device(self) -> list[int]:
-        """Blocks whose weights occupy device memory: resident ones and ring owners."""
-        if self.att is None:
-            return []
-        owners = self.att.ring.owners() if self.att.ring else []
-        return sorted(set(self.att.plan.resident) | set(owners))
-
     @property
     def plan(self) -> ResidencyPlan | None:
         return self.att.plan if self.att else None

@@ -27,11 +27,6 @@ class ResidencyPlan:
         """GPU slots of the ring (0 when every block is resident)."""
         return self.prefetch + 1 if self.streamed else 0
 
-    @property
-    def max_on_device(self) -> int:
-        """Blocks whose weights can be on the compute device at one time."""
-        return len(self.resident) + self.ring_slots
-
     @classmethod
     def make(cls, num_blocks: int, window: int, prefetch: int) -> "ResidencyPlan":
         if num_blocks < 1:

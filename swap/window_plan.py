@@ -322,8 +322,8 @@ def keep_attached(new: WindowPlan, attached: ResidencyPlan, ran_here: bool) -> W
     time with no more memory than now (`ran_here`), the attached residency when it is past the
     room by the numbers (the first run's own start-up allocations, e.g. kernels, came out of
     the free memory), its copies hide under compute, or `new` is not REPLAN_GAIN faster a call
-    (a larger window saves little per step, placing the blocks again costs seconds: 1.5 s on
-    a Q8_0 Wan-14B's next prompt for 1%, bench/RESULTS.md); None when the blocks must be placed again."""
+    (a larger window saves little per step, while placing the blocks again costs seconds);
+    None when the blocks must be placed again."""
     if attached.num_blocks == new.residency.num_blocks:
         new = _near(new, attached)
     if new.residency == attached:

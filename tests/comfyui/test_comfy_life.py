@@ -15,6 +15,7 @@ from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, Swap
 from ringswap.nodes.model_loader import RingSwapModelLoader
 from ringswap.nodes.patch import RingSwapPatch
 from wan_model import conditioning, forward, inputs, latent, load_stock, tiny_wan
+from support.engine_plans import blocks_on_device
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_wan22_two_experts_one_ring_at_a_time(experts, caplog):
         assert max(seen) == 1, "both experts' rings were on the device at once"
         if home != "ram":   # the expert that is not sampling holds no pinned memory (ram keeps its home)
             assert not high.swap_engine.attached and high.swap_engine.pool.pinned_bytes == 0
-            assert not high.swap_engine.blocks_on_device()
+            assert not blocks_on_device(high.swap_engine)
         if home == "auto":   # plenty of RAM: the inactive expert keeps its resident blocks there,
             engine = high.swap_engine   # so switching back to it reads nothing from the file
             assert set(engine.pool.blocks) == set(range(engine.num_blocks))

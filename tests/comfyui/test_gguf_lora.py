@@ -98,7 +98,7 @@ def test_lora_strength_change_on_gguf_needs_no_reload(gguf_dir, caplog):
 def test_dense_folds_plan_the_packs_dequantize_temporaries(gguf_dir):
     """Which weights are made dense on landing, and the device bytes planned for one fold's
     temporaries on CUDA (where its kernel may fall back: the pack's dequantize,
-    bench/dequant_peak.py): without a LoRA only the types whose dequantize waits for the stream
+    bench/probes/dequant_peak.py): without a LoRA only the types whose dequantize waits for the stream
     (Q4_K 3.6 bytes a value, Q5_0 8.7), none for Q8_0; with plain LoRA pairs (kohya) Q8_0 2.2,
     Q4_K 3.6, Q5_0 8.7; with patches no kernel takes (LoHa), four float32. The largest weight
     is 128 x 256."""

@@ -26,6 +26,7 @@ from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, Swap
 from ringswap.nodes.model_loader import RingSwapModelLoader
 from ringswap.swap.engine import BlockSwapEngine
 from wan_model import conditioning, forward, inputs, latent, load_stock, tiny_wan
+from support.engine_plans import blocks_on_device
 
 TIMEOUT = 60          # seconds a failing run may take before we call it a hang
 RSS_SLACK = 3 << 20   # "a few MB" over 5 repeated failing loads
@@ -310,7 +311,7 @@ def test_truncated_between_runs_raises_then_recovers(wan8):
     comfy.model_management.unload_all_models()
     _, err = run_with_timeout(lambda: forward(model, *inputs(seed=0)))
     assert isinstance(err, FileChangedError) and path in str(err) and "load the model again" in str(err), err
-    assert not model.swap_engine.attached and not model.swap_engine.blocks_on_device()
+    assert not model.swap_engine.attached and not blocks_on_device(model.swap_engine)
     del err
     comfy.model_management.unload_all_models()
     fresh = load_swapped_model(path, SwapSettings(2, 1), home="disk", disk_workers=2)

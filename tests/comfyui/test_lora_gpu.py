@@ -1,5 +1,5 @@
 """LoRA folds on CUDA: equal to ComfyUI's own patching on the same GPU (what a fold costs:
-bench/fold.py)."""
+bench/probes/fold.py)."""
 import pytest
 import torch
 

@@ -11,6 +11,7 @@ from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher
 from ringswap.loaders.comfyui_adapter import comfy_models
 from ringswap.nodes.patch import RingSwapPatch
 from wan_model import BLOCKS, conditioning, forward, inputs, latent, load_stock, tiny_wan
+from support.engine_plans import blocks_on_device
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ class OnDeviceProbe:
                 f"block {s.index} has weights outside the engine's device buffers"
             bound += 1
         self.max_bound = max(self.max_bound, bound)
-        self.max_engine = max(self.max_engine, len(self.engine.blocks_on_device()))
+        self.max_engine = max(self.max_engine, len(blocks_on_device(self.engine)))
 
     def remove(self):
         for h in self.handles:

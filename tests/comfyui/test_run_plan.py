@@ -21,6 +21,7 @@ from ringswap.swap.load_plan import place_seconds
 from ringswap.swap.window_plan import NotEnoughVRAM
 from support.faults import inject_oom
 from wan_model import conditioning, latent, load_stock, tiny_wan
+from support.engine_plans import blocks_on_device
 
 BLOCKS = 8
 GB = 1e9
@@ -180,7 +181,7 @@ def test_out_of_memory_mid_run_retries_at_a_smaller_window(stock, reference, cap
     assert "window 3, prefetch 1" in run and "out of memory: window 4 -> 3" in run and "3 model calls" in run
     plan = engine.plan
     assert plan.window == 3 and len(engine.att.ring.slots) == plan.ring_slots == 2
-    assert len(engine.blocks_on_device()) <= len(plan.resident) + plan.ring_slots
+    assert len(blocks_on_device(engine)) <= len(plan.resident) + plan.ring_slots
     assert all(s.slot is None for s in engine.states)
     # the next run plans the set window again
     assert torch.equal(ksample(model), reference) and engine.plan.window == 4

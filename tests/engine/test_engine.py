@@ -4,7 +4,7 @@ import torch
 
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 
-from toy_blocks import N, FileLike, load_plan, make_blocks, run
+from toy_blocks import N, FileLike, blocks_on_device, load_plan, make_blocks, run
 
 X = torch.randn(4, 32)
 
@@ -23,7 +23,7 @@ def test_every_window_and_prefetch_is_bit_exact(home):
             engine.attach("cpu", load_plan(ResidencyPlan.make(engine.num_blocks, window, prefetch)))
             seen = []
             probes = [b.lin.register_forward_pre_hook(
-                lambda m, a: seen.append(len(engine.blocks_on_device()))) for b in blocks]
+                lambda m, a: seen.append(len(blocks_on_device(engine)))) for b in blocks]
             try:
                 for _ in range(3):
                     assert torch.equal(run(blocks, X), ref), (home, window, prefetch)
@@ -107,7 +107,7 @@ def longest_streamed_run(plan):
 def test_plan():
     p = ResidencyPlan.make(40, 4, 1)
     assert len(p.resident) == 3 and len(p.streamed) == 37 and p.ring_slots == 2
-    assert p.max_on_device == 5
+    assert (len(p.resident) + p.ring_slots) == 5
     assert ResidencyPlan.make(8, 7, 1).streamed == ()
     with pytest.raises(ValueError, match="window must be at least 1"):
         ResidencyPlan.make(8, 0, 1)
