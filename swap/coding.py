@@ -57,13 +57,13 @@ class Coding:
         self.coder = coder
         self.device = device
         self.part_bytes = getattr(coder, "part_bytes", PART_BYTES)   # a coder may ask for other parts
-        self.rooms = getattr(coder, "parts_in_flight", PARTS_IN_FLIGHT)   # part rooms on CUDA (decode_block)
+        self.part_bufs = getattr(coder, "parts_in_flight", PARTS_IN_FLIGHT)   # part buffers on CUDA (decode_block)
         self.pays: bool | None = None     # None: not tried yet; False: the first block did not shrink
         self.scratch: torch.Tensor | None = None
         self.encoded = (0, 0)             # raw bytes, coded bytes: what was coded so far
         self.decode_rate = 0.0            # bytes a second the decode alone gives back, from the check; 0: not timed
         self.checked = False
-        self.freed: list = [None] * self.rooms   # the decodes last done with each scratch room (decode_block)
+        self.freed: list = [None] * self.part_bufs   # the decodes last done with each scratch part buffer (decode_block)
 
     @property
     def ratio(self) -> float:
@@ -124,16 +124,16 @@ class Coding:
             return True
         return block.coded_bytes / link_bytes_per_s + block.nbytes / self.decode_rate < block.nbytes / link_bytes_per_s
 
-    def keep(self, s, pool: HostPool, room: int, chunks: PinnedChunks | None = None) -> int | None:
+    def keep(self, s, pool: HostPool, ram_left: int, chunks: PinnedChunks | None = None) -> int | None:
         """A coded home for resident block `s`, coded straight from its device buffer; its bytes
-        (0: it does not fit in `room`; None: it does not shrink below PAYS_RATIO, so coding stops
+        (0: it does not fit in `ram_left`; None: it does not shrink below PAYS_RATIO, so coding stops
         paying). See home.capture_resident."""
         block = encode_block(self.coder, s.device_buffer, self.part_bytes,
                              download=chunks.download if chunks is not None else None, **_form(self.coder, s.layout))
         if block.coded_bytes > PAYS_RATIO * s.layout.nbytes:
             self.pays = False
             return None
-        if block.coded_bytes > room:
+        if block.coded_bytes > ram_left:
             return 0
         if not self.checked:   # a load that coded nothing before: its first block checked bit for bit
             self._check(block, s.device_buffer)
@@ -144,7 +144,7 @@ class Coding:
         """Decode the first coded block and compare it with its bytes (a coder that is not bit-exact
         is refused here, not found in the output), timing the decode alone."""
         out = torch.empty_like(raw)
-        self.scratch = empty_bytes(block.scratch_bytes(), self.device)   # one room: copies on the decode stream
+        self.scratch = empty_bytes(block.scratch_bytes(), self.device)   # one part buffer: copies on the decode stream
         stream = self.coder.stream
         if stream is None:
             t0 = time.perf_counter()
@@ -174,17 +174,17 @@ class Coding:
         self.decode_rate = raw.numel() / secs if secs > 0 else 0.0
 
     def make_scratch(self, pool: HostPool, blocks) -> None:
-        """Device scratch for decoding these blocks' coded homes: the coder's part rooms on CUDA
+        """Device scratch for decoding these blocks' coded homes: the coder's part buffers on CUDA
         (see decode_block)."""
         need = max((pool.coded[i].scratch_bytes() for i in blocks if i in pool.coded), default=0)
-        need *= self.rooms if self.coder.stream is not None else 1
+        need *= self.part_bufs if self.coder.stream is not None else 1
         if need and (self.scratch is None or self.scratch.numel() < need):
             self._new_scratch(empty_bytes(need, self.device))
 
     def _new_scratch(self, scratch: torch.Tensor | None) -> None:
-        """A scratch whose rooms no decode has used yet (or none)."""
+        """A scratch whose part buffers no decode has used yet (or none)."""
         self.scratch = scratch
-        self.freed = [None] * self.rooms
+        self.freed = [None] * self.part_bufs
 
     def decode(self, block: CodedBlock, out: torch.Tensor, copy_stream: "torch.cuda.Stream | None" = None,
                after: "torch.cuda.Event | None" = None) -> None:

@@ -119,10 +119,10 @@ class RamHome(Home):
             _pack(self.s, current, self.buf.flat, maps)
 
     @staticmethod
-    def download(s: BlockState, pool: HostPool, chunks: PinnedChunks, room: int) -> int:
+    def download(s: BlockState, pool: HostPool, chunks: PinnedChunks, ram_left: int) -> int:
         """Capture a raw home for resident block `s` from its device buffer; its bytes (0: over
-        `room`)."""
-        if s.layout.nbytes > room:
+        `ram_left`)."""
+        if s.layout.nbytes > ram_left:
             return 0
         chunks.download(s.device_buffer, pool.add(s.index, s.layout.nbytes).flat)
         return s.layout.nbytes
@@ -148,12 +148,12 @@ class CodedHome(Home):
         """Kept coded: its weights are not in the module, nothing to capture."""
 
     @staticmethod
-    def encode(coding: Coding, s: BlockState, pool: HostPool, room: int, chunks: PinnedChunks) -> int | None:
+    def encode(coding: Coding, s: BlockState, pool: HostPool, ram_left: int, chunks: PinnedChunks) -> int | None:
         """Capture a coded home for resident block `s` from its device buffer (`coding.keep`); its
-        bytes (0: over `room`), or None where it does not shrink enough to pay or the device has no
+        bytes (0: over `ram_left`), or None where it does not shrink enough to pay or the device has no
         memory to code it (the caller keeps it, and the rest, raw)."""
         try:
-            return coding.keep(s, pool, room, chunks)
+            return coding.keep(s, pool, ram_left, chunks)
         except torch.cuda.OutOfMemoryError as e:
             log.info("RingSwap: no device memory to code the kept resident blocks (%s); kept raw", e)
             return None

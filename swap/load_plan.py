@@ -168,7 +168,6 @@ class LoadPlan:
         return "; ".join([self.window.line()] + ([self.ram.line()] if self.ram is not None else [])
                          + ([coding] if coding else []))
 
-
     def as_dict(self) -> dict:
         """The plan for the browser and GET /ringswap/plan (JSON-ready): the window plan's fields,
         the RAM split's and coding's, and the plan line."""
@@ -177,7 +176,7 @@ class LoadPlan:
         d.update(line=self.line(), compress=self.coding.code, compress_why=self.coding.why,
                  ram_blocks=sorted(ram.ram_blocks) if ram is not None else None,
                  file_blocks=list(ram.file_blocks) if ram is not None else [],
-                 ram_room_bytes=ram.room_bytes if ram is not None else None)
+                 home_ram_bytes=ram.ram_bytes if ram is not None else None)
         return d
 
 
@@ -237,8 +236,8 @@ def _split(engine: EngineFacts, run: RunFacts, settings: SwapSettings, residency
     """The RAM split of `residency`'s streamed blocks where the engine splits RAM, else None."""
     if not engine.splits_ram:
         return None
-    room, why = home_ram(settings.ram_budget_gb, run.ram_available, engine.homes_held, run.ram_kept_by_comfy)
-    return split_ram(residency, engine.home_sizes or engine.block_sizes, room, why, engine.read_buffers,
+    nbytes, why = home_ram(settings.ram_budget_gb, run.ram_available, engine.homes_held, run.ram_kept_by_comfy)
+    return split_ram(residency, engine.home_sizes or engine.block_sizes, nbytes, why, engine.read_buffers,
                      engine.block_sizes)
 
 
@@ -314,8 +313,8 @@ def kept_at_unload(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -
     where the engine splits RAM; 0 otherwise."""
     if not engine.splits_ram:
         return 0
-    room, _ = home_ram(settings.ram_budget_gb, run.ram_available, engine.homes_held, run.ram_kept_by_comfy)
-    return max(0, room - engine.homes_held)
+    nbytes, _ = home_ram(settings.ram_budget_gb, run.ram_available, engine.homes_held, run.ram_kept_by_comfy)
+    return max(0, nbytes - engine.homes_held)
 
 
 __all__ = ["CODED", "KEEP", "LOAD", "OOM", "RATES", "CallFacts", "EngineFacts", "LoadPlan", "NotEnoughVRAM",

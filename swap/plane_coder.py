@@ -23,7 +23,7 @@ from .plane_join import join_words
 NVCOMP_PACKAGES = "nvidia-nvcomp-cu13 (torch built for CUDA 13) or nvidia-nvcomp-cu12 (CUDA 12)"
 # The defaults of a coder's `part_bytes` and `parts_in_flight` (AnsPlanes takes others, e.g. from a
 # benchmark): a part's raw bytes (the device scratch holds a few parts, not a block; larger parts
-# decode in fewer, fuller nvCOMP calls) and the part rooms on CUDA (copies run this many parts less
+# decode in fewer, fuller nvCOMP calls) and the part buffers on CUDA (copies run this many parts less
 # one ahead of the decodes).
 PART_BYTES = 128 << 20
 PARTS_IN_FLIGHT = 2
@@ -143,27 +143,27 @@ def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, ou
                  freed: "list | None" = None) -> None:
     """Enqueue each part's copy into the scratch, its decode and its re-interleave into `out` (the
     block's bytes), the decodes on the current stream. `scratch`: device uint8 of at least
-    `block.scratch_bytes()`; with `copy_stream` (CUDA) `len(freed)` times that (one room without
-    `freed`), a ring of part rooms: the copies run on `copy_stream` up to that many parts ahead of
+    `block.scratch_bytes()`; with `copy_stream` (CUDA) `len(freed)` times that (one part buffer without
+    `freed`), a ring of part buffers: the copies run on `copy_stream` up to that many parts ahead of
     the decodes, waiting only for `after` (the slot is free) and for the decode last done with their
-    room (`freed`: one event a room, kept by the caller from block to block), not for the previous
+    part_buf (`freed`: one event a part_buf, kept by the caller from block to block), not for the previous
     block's decodes."""
     freed = freed or [None]
-    rooms = len(freed) if copy_stream is not None else 1
-    room = scratch.numel() // rooms // ALIGN * ALIGN
+    part_bufs = len(freed) if copy_stream is not None else 1
+    part_buf = scratch.numel() // part_bufs // ALIGN * ALIGN
     decoding = torch.cuda.current_stream(scratch.device) if copy_stream is not None else None
     if decoding is not None and after is not None:
         copy_stream.wait_event(after)
     for k, (off, size, pos, c) in enumerate(block.parts):
         half = size // 2 if block.planes else 0
         span = aligned(c) + half if block.planes else c   # coded, padding, low plane: one copy
-        base = (k % rooms) * room
+        base = (k % part_bufs) * part_buf
         landed = scratch[base:base + span]
         if decoding is None:
             landed.copy_(block.home.flat[pos:pos + span], non_blocking=True)
         else:
-            if freed[k % rooms] is not None:
-                copy_stream.wait_event(freed[k % rooms])
+            if freed[k % part_bufs] is not None:
+                copy_stream.wait_event(freed[k % part_bufs])
             with torch.cuda.stream(copy_stream):
                 landed.copy_(block.home.flat[pos:pos + span], non_blocking=True)
                 arrived = torch.cuda.Event()
@@ -176,8 +176,8 @@ def decode_block(coder: PlaneCoder, block: CodedBlock, scratch: torch.Tensor, ou
             coder.decode(landed[:c], high)
             join_words(high, landed[aligned(c):], out[off:off + size], widen=k in block.narrowed)
         if decoding is not None:
-            freed[k % rooms] = torch.cuda.Event()
-            freed[k % rooms].record(decoding)
+            freed[k % part_bufs] = torch.cuda.Event()
+            freed[k % part_bufs].record(decoding)
 
 
 def nvcomp_module():

@@ -136,7 +136,7 @@ def capture_resident(states: list[BlockState], pool: HostPool, resident: tuple[i
                 break
     if done:
         log.info("RingSwap: kept %.2f GB of resident blocks in RAM for the next load (%.2f GB of them coded; "
-                 "%.2f s; room %.2f GB)", done / 1e9, coded / 1e9, time.perf_counter() - t0, nbytes / 1e9)
+                 "%.2f s; home RAM left %.2f GB)", done / 1e9, coded / 1e9, time.perf_counter() - t0, nbytes / 1e9)
 
 
 def settle(policy: HomePolicy, states: list[BlockState], pool: HostPool, att: Attachment) -> None:

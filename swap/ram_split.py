@@ -34,8 +34,8 @@ class RamSplit:
     plan: ResidencyPlan
     block_sizes: tuple[int, ...]
     ram_blocks: frozenset[int]       # streamed blocks held in RAM
-    room_bytes: int                  # RAM counted on for block homes
-    room_why: str                    # where room_bytes comes from
+    ram_bytes: int                  # RAM counted on for block homes
+    ram_why: str                    # where ram_bytes comes from
     staging_bytes: int = 0           # read-ahead buffers the file's blocks need
     device_sizes: tuple[int, ...] = ()   # each block's bytes on the device, where they differ from its home's (coded)
 
@@ -54,29 +54,29 @@ class RamSplit:
         if self.file_blocks:
             parts.append(f"{len(self.file_blocks)} ({self.bytes_of(self.file_blocks) / GB:.1f} GB) read from "
                          f"the file each step")
-        return f"home auto: {', '.join(parts)}; RAM counted on {self.room_bytes / GB:.1f} GB ({self.room_why})"
+        return f"home auto: {', '.join(parts)}; RAM counted on {self.ram_bytes / GB:.1f} GB ({self.ram_why})"
 
 
-def split_ram(plan: ResidencyPlan, block_sizes: tuple[int, ...], room_bytes: int, room_why: str,
+def split_ram(plan: ResidencyPlan, block_sizes: tuple[int, ...], ram_bytes: int, ram_why: str,
               staging_blocks: int, device_sizes: tuple[int, ...] = ()) -> RamSplit:
-    """Give as many streamed blocks RAM homes as `room_bytes` holds; the file's blocks also
-    need `staging_blocks` read-ahead buffers of the largest block, counted against the room.
+    """Give as many streamed blocks RAM homes as `ram_bytes` holds; the file's blocks also
+    need `staging_blocks` read-ahead buffers of the largest block, counted against that RAM.
     `block_sizes`: bytes in RAM; `device_sizes`: on the device, where they differ (for the line)."""
     streamed = list(plan.streamed)
     need = sum(block_sizes[i] for i in streamed)
-    if need <= room_bytes:
-        return RamSplit(plan, block_sizes, frozenset(streamed), room_bytes, room_why, device_sizes=device_sizes)
+    if need <= ram_bytes:
+        return RamSplit(plan, block_sizes, frozenset(streamed), ram_bytes, ram_why, device_sizes=device_sizes)
     staging = staging_blocks * max((block_sizes[i] for i in streamed), default=0)
-    left, fit = room_bytes - staging, 0
+    left, fit = ram_bytes - staging, 0
     for size in sorted(block_sizes[i] for i in streamed):
         if size > left:
             break
         left -= size
         fit += 1
     ram = _spread(streamed, fit)
-    while ram and sum(block_sizes[i] for i in ram) > room_bytes - staging:   # unequal blocks
+    while ram and sum(block_sizes[i] for i in ram) > ram_bytes - staging:   # unequal blocks
         ram.remove(max(ram, key=lambda i: block_sizes[i]))
-    return RamSplit(plan, block_sizes, frozenset(ram), room_bytes, room_why, staging, device_sizes)
+    return RamSplit(plan, block_sizes, frozenset(ram), ram_bytes, ram_why, staging, device_sizes)
 
 
 def _spread(streamed: list[int], count: int) -> list[int]:

@@ -102,10 +102,10 @@ def test_automatic_room_is_available_ram_less_margin_and_comfys_keep(wan):
     nbytes, why = home_ram(0.0, facts.ram_available, engine.facts().homes_held, facts.ram_kept_by_comfy)
     assert 0 <= nbytes <= max(0, available - MARGIN_MIN - kept)
     assert "GB available" in why and "margin" in why and (("ComfyUI keeps" in why) == bool(kept)), why
-    assert 0 <= plan.ram.room_bytes <= max(0, available - MARGIN_MIN - kept)
-    assert "GB available" in plan.ram.room_why and plan.ram.room_why in plan.line(), plan.line()
+    assert 0 <= plan.ram.ram_bytes <= max(0, available - MARGIN_MIN - kept)
+    assert "GB available" in plan.ram.ram_why and plan.ram.ram_why in plan.line(), plan.line()
     budgeted = SwapModelPatcher.wrap(model, SwapSettings(3, 1, ram_budget_gb=1.5))._plan(device, False)
-    assert (budgeted.ram.room_bytes, budgeted.ram.room_why) == (1_500_000_000, "ram_budget_gb 1.5")
+    assert (budgeted.ram.ram_bytes, budgeted.ram.ram_why) == (1_500_000_000, "ram_budget_gb 1.5")
     import comfy.cli_args
     if isinstance(comfy.cli_args.args.cache_ram, list) and not comfy.cli_args.args.cache_classic:
         assert kept >= 2 * 2**30, "0.33's RAM cache keeps at least 2 GB headroom by default"

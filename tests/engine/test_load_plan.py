@@ -117,7 +117,7 @@ def test_ram_split_under_a_ram_budget_and_ram_is_short():
     plan = plan_load(auto_home(), run(free_bytes=24 * GB), SwapSettings(3, ram_budget_gb=2.0))
     ram = plan.ram
     assert plan.ram_blocks == ram.ram_blocks and len(ram.ram_blocks) == 2 and len(ram.file_blocks) == 6
-    assert ram.ram_blocks <= set(plan.residency.streamed) and ram.room_bytes == 2 * GB
+    assert ram.ram_blocks <= set(plan.residency.streamed) and ram.ram_bytes == 2 * GB
     assert ram.line() == ("home auto: 2 blocks (1.0 GB) on the GPU, 2 (1.0 GB) in RAM, 6 (3.0 GB) read from the "
                           "file each step; RAM counted on 2.0 GB (ram_budget_gb 2)")
     assert (plan.coding.code, plan.coding.why, plan.coding.may_code) == (True, "compress auto: RAM is short", True)
@@ -125,7 +125,7 @@ def test_ram_split_under_a_ram_budget_and_ram_is_short():
     assert plan.line() == f"{plan.window.line()}; {ram.line()}; compress auto: RAM is short"
     d = plan.as_dict()
     assert (d["line"], d["compress"], d["compress_why"]) == (plan.line(), True, "compress auto: RAM is short")
-    assert (d["ram_blocks"], d["file_blocks"], d["ram_room_bytes"]) == \
+    assert (d["ram_blocks"], d["file_blocks"], d["home_ram_bytes"]) == \
         (sorted(ram.ram_blocks), list(ram.file_blocks), 2 * GB)
 
 
