@@ -26,7 +26,7 @@ import comfy.ops  # noqa: E402
 from comfy.ldm.wan.model import WanModel  # noqa: E402
 
 from ringswap.swap import BlockSwapEngine  # noqa: E402
-from ringswap.swap.residency import ResidencyPlan  # noqa: E402
+from ringswap.swap.load_plan import RunFacts, SwapSettings, plan_load  # noqa: E402
 
 # latent (frames, height, width) for a token count: tokens = f * (h/2) * (w/2)
 SHAPES = {32760: (21, 60, 104), 7800: (5, 60, 104), 75600: (21, 90, 160), 4096: (1, 128, 128)}
@@ -91,7 +91,9 @@ def main() -> None:
     engine = BlockSwapEngine(list(model.blocks))
     for window in a.windows:
         t0 = time.perf_counter()
-        plan = engine.attach(dev, ResidencyPlan.make(engine.num_blocks, window, a.prefetch), "auto")
+        load = plan_load(engine.facts(), RunFacts(device=str(dev), free_bytes=1 << 50, nonblock_bytes=0),
+                         SwapSettings(window, a.prefetch))   # a set window: exactly ResidencyPlan.make's
+        plan = engine.attach(dev, load)
         attach_s = time.perf_counter() - t0
         torch.cuda.empty_cache()
         print(f"attached window={window}: {plan.describe()}, {engine.memory} memory, "
