@@ -39,7 +39,7 @@
 # leaving 32 GB, at 24 and 12 GiB, bf16, 7,800 tokens, ~6 min), experts-64 / experts-fp8-32 (two experts,
 # home=auto, 24 GiB, bf16 with 64 GB / scaled fp8 with 32 GB, two prompts: the second's switches, ~4 min
 # each), ram-file (home=auto, bf16, 12 GiB, a ballast leaving 20 GB: the streamed blocks do not all fit
-# in RAM, so part streams from the file, held against the disk's O_DIRECT rate; 4 readers, the Model Loader's default, ~4 min), read-probe (bench/probes/read_probe.py: BlockReader at 1-8 workers against the disk's O_DIRECT rate,
+# in RAM, so part streams from the file, held against the disk's O_DIRECT rate; 4 readers, the Model Loader's default, ~4 min), read-probe (bench/probes/read_probe.py: RangeReader at 1-8 workers against the disk's O_DIRECT rate,
 # 3 GB each, ~1 min with the file's write), cfg5-first (the cfg 5, 12 GiB,
 # halved-link first prompt of RingSwap Patch on 0.3.75 with 8 steps, beside ComfyUI resident: the re-plan by
 # measured rates, ~3.5 min).

@@ -127,7 +127,7 @@ class Coding:
     def keep(self, s, pool: HostPool, ram_left: int, chunks: PinnedChunks | None = None) -> int | None:
         """A coded home for resident block `s`, coded straight from its device buffer; its bytes
         (0: it does not fit in `ram_left`; None: it does not shrink below PAYS_RATIO, so coding stops
-        paying). See home.capture_resident."""
+        paying). See ram_homes.capture_resident."""
         block = encode_block(self.coder, s.device_buffer, self.part_bytes,
                              download=chunks.download if chunks is not None else None, **_form(self.coder, s.layout))
         if block.coded_bytes > PAYS_RATIO * s.layout.nbytes:

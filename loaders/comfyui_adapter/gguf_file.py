@@ -17,6 +17,7 @@ import comfy.model_patcher
 import comfy.sd
 import folder_paths
 
+from ...swap.home_policy import home_policy
 from ...swap.layout import BlockLayout
 from ..model_file.block_reads import BlockReads
 from ..model_file.range_reader import RangeReader
@@ -138,7 +139,7 @@ def block_reads(path: str, reader: RangeReader, blocks: list[nn.Module], block_k
     index = gguf_index(path, blocks, block_keys, model_config)
     if not index.unreadable:
         return BlockReads(index, reader, blocks, block_keys)
-    if home == "ram":
+    if not home_policy(home).from_file:   # home=ram: homes copied from the pack's model
         return None
     what = index.unreadable[0] + (" and more" if len(index.unreadable) > 1 else "")
     raise ValueError(f"RingSwap: {path}: block tensors of this file cannot be read from it as ComfyUI-GGUF loads "

@@ -148,7 +148,7 @@ def observe(engine: BlockSwapEngine, node: str | None) -> LiveFeed:
 
 def on_model_call(engine: BlockSwapEngine, args: tuple, kwargs: dict) -> None:
     """A model call of `engine`'s run starts (APPLY_MODEL's arguments: x, t, ...,
-    transformer_options): tell its feed the sampler's step. Called from run_plan's one
+    transformer_options): tell its feed the sampler's step. Called from sampling.py's one
     APPLY_MODEL wrapper, which has found the engine already."""
     feed = feed_of(engine)
     if feed is None:

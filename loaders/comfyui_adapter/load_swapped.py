@@ -113,9 +113,9 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
         engine = BlockSwapEngine(blocks, read_block=reads.read_block if reads else None, home=home,
                                  disk_workers=disk_workers)
         SwapState.install(dm, engine)
-        if home == "ram":
-            t0 = time.perf_counter()
-            nbytes = engine.fill_home(progress)
+        t0 = time.perf_counter()
+        nbytes = engine.fill_home(progress)   # home=ram with the file to read: every block into RAM now
+        if nbytes:
             dt = max(time.perf_counter() - t0, 1e-9)
             log.info("RingSwap: read %.2f GB of %d blocks from %s into RAM in %.1f s (%.2f GB/s)",
                      nbytes / 1e9, len(blocks), path, dt, nbytes / dt / 1e9)

@@ -314,6 +314,8 @@ def test_gguf_patch_on_cuda_gives_the_non_block_pages_back(gguf_dir, caplog):
     assert page_out.mapped_tensors(model.model) == []
     import platform
     kernel = tuple(int(p) for p in platform.release().split(".")[:2] if p.isdigit())
-    if page_out.FileMaps().ranges and kernel >= (5, 4):   # MADV_PAGEOUT: Linux 5.4+
-        assert any("of the file's pages given back" in r.getMessage() for r in caplog.records)
     comfy.model_management.unload_all_models()
+    if not (page_out.FileMaps().ranges and kernel >= (5, 4)):   # MADV_PAGEOUT: Linux 5.4+
+        pytest.skip("page-out probe negative (no file mappings listed, or a kernel before 5.4): "
+                    "the pages-given-back line cannot show")
+    assert any("of the file's pages given back" in r.getMessage() for r in caplog.records)
