@@ -294,8 +294,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         offers) grows by what they free; the planner, not that number, decides the window,
         as it does on every load."""
         self.ringswap_run.reloading = False
-        plans = self._plans_to_keep(device_to, extra_memory) if self._owns_engine() else None
-        if plans is None:
+        kept = self._plan_to_keep(device_to, extra_memory) if self._owns_engine() else None
+        if kept is None:
             out = super().partially_load(device_to, extra_memory + self._release_engine(), *args, **kwargs)
             if self._owns_engine():
                 return out
@@ -305,18 +305,18 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self.load(device_to, lowvram_model_memory=used, force_patch_weights=kwargs.get(
                 "force_patch_weights", args[0] if args else False))
             return out + self.model.model_loaded_weight_memory - used
-        self.ringswap_run.plan = plans
+        self.ringswap_run.plan = kept
         out = super().partially_load(device_to, max(0, extra_memory), *args, **kwargs)
-        engine = self.swap_engine
-        plan, fresh = plans.window, plans.fresh
+        facts = self.swap_engine.facts()
+        plan, fresh = kept.window, kept.fresh
         why = ("" if fresh == plan else f" (window {fresh.window} would fit; the copies hide already)"
                if fresh.window > plan.window else f" (it ran this size last time with no more memory than "
                f"now; the planner's numbers give window {fresh.window})")
-        log.info("%s; %s memory, %.2f GB at home; kept on the device from the last run%s", plan.line(),
-                 engine.facts().memory, engine.facts().homes_held / 1e9, why)
+        log.info("%s; %s memory, %.2f GB at home; kept on the device from the last run%s", kept.line(),
+                 facts.memory, facts.homes_held / 1e9, why)
         return out
 
-    def _plans_to_keep(self, device_to, extra_memory: float) -> LoadPlan | None:
+    def _plan_to_keep(self, device_to, extra_memory: float) -> LoadPlan | None:
         """The plan keeping the attached blocks (same device and weight patches, the model fully
         loaded but for the blocks, and swap.load_plan keeps the attached residency), else None."""
         engine = self.swap_engine
