@@ -23,6 +23,7 @@ from .hooks import BlockHooks
 from .host_pool import HostPool
 from .layout import BlockLayout
 from .load_plan import PIN_MODES, EngineFacts, LoadPlan
+from .window_plan import device_bytes
 from .residency import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
 from .resident_folds import fold_resident
@@ -80,12 +81,9 @@ class BlockSwapEngine:
     def total_block_bytes(self) -> int:
         return sum(s.layout.nbytes for s in self.states)
 
-    def device_bytes(self, plan: ResidencyPlan | None = None) -> int:
-        """Bytes of block weights on the device under `plan` (default: the attached one)."""
-        if (plan := plan or (self.att.plan if self.att else None)) is None:
-            return 0
-        ring = max((self.states[i].layout.nbytes for i in plan.streamed), default=0)
-        return sum(self.states[i].layout.nbytes for i in plan.resident) + ring * plan.ring_slots
+    def device_bytes(self) -> int:
+        """Bytes of block weights on the device under the attached plan (swap.window_plan.device_bytes)."""
+        return device_bytes(tuple(s.layout.nbytes for s in self.states), self.att.plan) if self.att else 0
 
     # ----- home ----------------------------------------------------------------------
     def fill_home(self, progress: Callable[[int, int], None] | None = None) -> int:

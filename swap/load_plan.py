@@ -17,8 +17,8 @@ from . import coding_choice
 from .coding_choice import COMPRESS_MODES, CodingChoice
 from .ram_split import RamSplit, home_ram, split_ram
 from .residency import ResidencyPlan
-from .window_plan import (NotEnoughVRAM, PlanInputs, WindowPlan, keep_attached, plan_step, replan_with_rates,
-                          shrink_after_oom)
+from .window_plan import (NotEnoughVRAM, PlanInputs, WindowPlan, device_bytes, keep_attached, plan_step,
+                          replan_with_rates, set_window, shrink_after_oom)
 
 PIN_MODES = ("auto", "on", "off")
 LOAD, KEEP, RATES, OOM, CODED = "load", "keep", "rates", "oom", "coded"
@@ -307,6 +307,13 @@ def _moved(ram: RamSplit | None, window: WindowPlan) -> RamSplit | None:
     return None if ram is None else replace(ram, plan=window.residency)
 
 
+def bytes_before_attach(engine: EngineFacts, settings: SwapSettings) -> int:
+    """Block bytes a load will hold on the device, known before it is planned: a set window's
+    (swap.window_plan.set_window), else every block's."""
+    plan = set_window(len(engine.block_sizes), settings.window, settings.prefetch)
+    return device_bytes(engine.block_sizes, plan) if plan is not None else engine.total_block_bytes
+
+
 def kept_at_unload(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -> int:
     """Bytes of resident blocks a model taken off the GPU may keep in RAM (the next attach then
     places them without reading the file): what the home RAM leaves beside the homes it holds,
@@ -318,4 +325,4 @@ def kept_at_unload(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -
 
 
 __all__ = ["CODED", "KEEP", "LOAD", "OOM", "RATES", "CallFacts", "EngineFacts", "LoadPlan", "NotEnoughVRAM",
-           "RunFacts", "SwapSettings", "kept_at_unload", "place_seconds", "plan_load", "ram_homes"]
+           "RunFacts", "SwapSettings", "bytes_before_attach", "kept_at_unload", "place_seconds", "plan_load", "ram_homes"]

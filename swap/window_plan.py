@@ -225,11 +225,17 @@ def plan_window(i: PlanInputs) -> WindowPlan:
     return min(plans, key=lambda p: (-len(p.residency.resident), p.block_bytes_on_device, p.inputs.dense_per_call))
 
 
+def set_window(num_blocks: int, window: int, prefetch: int) -> ResidencyPlan | None:
+    """The residency a set window gives, kept as asked (past the model's blocks: all of them);
+    None for window 0, which the planner sizes."""
+    return ResidencyPlan.make(num_blocks, min(window, num_blocks), prefetch) if window > 0 else None
+
+
 def _plan_window(i: PlanInputs) -> WindowPlan:
     if i.num_blocks < 1:
         raise ValueError("the model has no transformer blocks")
     if i.window > 0:
-        return WindowPlan(i, ResidencyPlan.make(i.num_blocks, min(i.window, i.num_blocks), i.prefetch), False)
+        return WindowPlan(i, set_window(i.num_blocks, i.window, i.prefetch), False)
     best = None
     for prefetch in range(i.prefetch, i.prefetch + 1 + MORE_PREFETCH):
         plan = _largest(i, prefetch)

@@ -39,11 +39,11 @@ import comfy.model_management
 import comfy.model_patcher
 
 from ...lora.fold import BlockFolder, block_folder
-from ...swap import BlockSwapEngine, ResidencyPlan
+from ...swap import BlockSwapEngine
 from ...swap.host_pool import set_pin_budget
 from ...swap.page_out import mapped_tensors, page_out_moved
 from ...swap.plane_coder import ans_coder
-from ...swap.load_plan import CODED, KEEP, LOAD, LoadPlan, NotEnoughVRAM, SwapSettings, kept_at_unload, plan_load
+from ...swap.load_plan import CODED, KEEP, LOAD, LoadPlan, NotEnoughVRAM, SwapSettings, bytes_before_attach, kept_at_unload, plan_load
 from . import comfy_memory, comfy_models, comfy_server
 from . import gguf_tensors, live_feed, run_facts, sampling
 from .live_payload import RUN_EVENT, run_payload
@@ -227,12 +227,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
     def _size_before_attach(self) -> int:
         """model_size() while the engine is not attached (ComfyUI's full-load test uses it)."""
         state = self.swap_state
-        engine = state.engine
-        if self.ringswap is not None and self.ringswap.window > 0:   # plan known before loading
-            plan = ResidencyPlan.make(engine.num_blocks, min(self.ringswap.window, engine.num_blocks),
-                                      self.ringswap.prefetch)
-            return state.nonblock_bytes + engine.device_bytes(plan)
-        return state.nonblock_bytes + engine.total_block_bytes()
+        if self.ringswap is None:
+            return state.nonblock_bytes + state.engine.total_block_bytes()
+        return state.nonblock_bytes + bytes_before_attach(state.engine.facts(), self.ringswap)
 
     # ----- unloading -------------------------------------------------------------------
     def _owns_engine(self) -> bool:

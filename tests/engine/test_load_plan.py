@@ -10,7 +10,8 @@ import pytest
 
 from ringswap.swap.coding_choice import SCRATCH_BYTES
 from ringswap.swap.load_plan import (CODED, DISK_GUESS, KEEP, LOAD, OOM, RATES, CallFacts, EngineFacts, RunFacts,
-                                     SwapSettings, kept_at_unload, place_seconds, plan_load, ram_homes)
+                                     SwapSettings, bytes_before_attach, kept_at_unload, place_seconds, plan_load,
+                                     ram_homes)
 from ringswap.swap.ram_split import MARGIN_MIN, MARGIN_SHARE, home_ram
 from ringswap.swap.residency import ResidencyPlan
 from ringswap.swap.window_plan import NotEnoughVRAM
@@ -343,3 +344,15 @@ def test_place_seconds():
     pinning = replace(facts, pinned_copies=True, pin_s_per_byte=1e-10, pinned=frozenset(grown.streamed[:3]))
     to_pin = (len(grown.streamed) - 3) * BLOCK
     assert place_seconds(pinning, grown, None, link) == pytest.approx(2 * BLOCK / link + to_pin * 1e-10)
+
+
+@pytest.mark.parametrize("window, prefetch, blocks", [
+    (0, 1, N),            # planned at load: every block counted until then
+    (3, 1, 2 + 2),        # a set window: 2 resident + a ring of 2 slots
+    (3, 0, 2 + 1),
+    (N + 5, 1, N),        # past the model: all resident
+])
+def test_bytes_before_attach_follow_the_set_window_rule(window, prefetch, blocks):
+    """What the model holds once loaded, known before the load plans (ComfyUI's full-load test
+    asks): the same set-window rule and device-bytes count the planner uses."""
+    assert bytes_before_attach(engine(), SwapSettings(window, prefetch)) == blocks * BLOCK
