@@ -91,9 +91,7 @@ def main() -> None:
     engine = BlockSwapEngine(list(model.blocks))
     for window in a.windows:
         t0 = time.perf_counter()
-        load = plan_load(engine.facts(), RunFacts(device=str(dev), free_bytes=1 << 50, nonblock_bytes=0),
-                         SwapSettings(window, a.prefetch))   # a set window: exactly ResidencyPlan.make's
-        plan = engine.attach(dev, load)
+        plan = engine.attach(dev, plan_load(engine.facts(), RunFacts(str(dev), 1 << 50, 0), SwapSettings(window, a.prefetch)))
         attach_s = time.perf_counter() - t0
         torch.cuda.empty_cache()
         print(f"attached window={window}: {plan.describe()}, {engine.memory} memory, "
