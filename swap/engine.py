@@ -92,14 +92,6 @@ class BlockSwapEngine:
         every = self.homes.every_block and self.read_block is not None
         return read_homes(self.states, self.pool, self.read_block, progress) if every else 0
 
-    @property
-    def home(self) -> str:
-        return self.homes.mode
-
-    def ram_homes(self, plan: ResidencyPlan, ram_blocks: Iterable[int] | None = None) -> frozenset[int]:
-        """The blocks that hold a host copy while `plan` is attached (swap.home_policy)."""
-        return self.homes.ram_homes(self.num_blocks, plan, ram_blocks)
-
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, load_plan: LoadPlan, owner: object = None,
                on_land: OnLand | None = None, progress: Callable[[int, int], None] | None = None,
@@ -125,7 +117,7 @@ class BlockSwapEngine:
             raise ValueError(f"pin_memory must be one of {PIN_MODES}, got {pin_memory!r}")
         if plan.num_blocks != self.num_blocks:
             raise ValueError(f"the plan is for {plan.num_blocks} blocks, the engine has {self.num_blocks}")
-        keep = self.ram_homes(plan, ram_blocks)
+        keep = self.homes.ram_homes(self.num_blocks, plan, ram_blocks)
         if self.att is not None:
             a = self.att
             if (a.device, a.plan, a.pin_memory, a.on_land, a.ram_homes, a.compress, a.resident_work) == \
@@ -256,7 +248,8 @@ class BlockSwapEngine:
             att.stats.unplanned += 1
             slot = att.ring.victim(att.upcoming()[:-1])
             self._issue(block, slot)
-        self._home(block).finish(slot, att)
+        if slot.reading:   # only a file read is left to land
+            self._home(block).finish(slot, att)
         att.copier.compute_wait(slot.ready, block if self.in_order else None)
         s = self.states[block]
         s.slot = slot

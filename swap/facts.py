@@ -41,7 +41,7 @@ def engine_facts(engine: EngineState) -> EngineFacts:
         block_sizes=tuple(s.layout.nbytes for s in engine.states),
         home_sizes=tuple(pool.coded[i].coded_bytes if i in pool.coded else int(s.layout.nbytes * ratio)
                          for i, s in enumerate(engine.states)),
-        homes_held=pool.nbytes, every_home_in_ram=engine.homes.every_block, splits_ram=engine.homes.splits_ram,
+        homes_held=pool.nbytes, policy=engine.homes,
         own_load=engine.read_block is not None, read_buffers=engine.read_buffers, coded_any=bool(pool.coded),
         coding_ratio=coding.ratio if coding is not None and coding.encoded[0] else 0.0,
         coding_pays=coding.pays if coding is not None else None,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from . import coding_choice
 from .coding_choice import COMPRESS_MODES, CodingChoice
+from .home_policy import HomePolicy, home_policy
 from .ram_split import RamSplit, home_ram, split_ram
 from .residency import ResidencyPlan
 from .window_plan import (NotEnoughVRAM, PlanInputs, WindowPlan, device_bytes, keep_attached, plan_step,
@@ -56,8 +57,7 @@ class EngineFacts:
     block_sizes: tuple[int, ...]          # each block's bytes on the device (and in a raw home)
     home_sizes: tuple[int, ...] = ()      # each block's bytes in RAM: coded, or at the ratio where coding pays
     homes_held: int = 0                   # bytes of RAM homes held now
-    every_home_in_ram: bool = False       # every block keeps a RAM home
-    splits_ram: bool = False              # streamed blocks get RAM homes as RAM allows, the rest read the file
+    policy: HomePolicy = home_policy("disk")   # which blocks keep a RAM home (the engine's `home` setting)
     own_load: bool = False                # the blocks are read from the file by RingSwap
     read_buffers: int = 2                 # staging buffers a file-read block needs
     coded_any: bool = False               # some home is kept coded
@@ -219,7 +219,7 @@ def _window(engine: EngineFacts, run: RunFacts, settings: SwapSettings, copy_bou
     everything = run.all_asked and not settings.vram_budget_gb
     window = len(engine.block_sizes) if everything and not settings.window else settings.window
     usable = coding_choice.cannot_code(run.cuda, run.coder_missing, engine.own_load) is None
-    scratch = coding_choice.scratch_bytes(settings.compress, engine.splits_ram, usable, engine.coded_any, copy_bound)
+    scratch = coding_choice.scratch_bytes(settings.compress, engine.policy.splits_ram, usable, engine.coded_any, copy_bound)
 
     def inputs(call: CallFacts, conds: int) -> PlanInputs:
         return PlanInputs(
@@ -234,29 +234,28 @@ def _window(engine: EngineFacts, run: RunFacts, settings: SwapSettings, copy_bou
 
 def _split(engine: EngineFacts, run: RunFacts, settings: SwapSettings, residency: ResidencyPlan) -> RamSplit | None:
     """The RAM split of `residency`'s streamed blocks where the engine splits RAM, else None."""
-    if not engine.splits_ram:
+    if not engine.policy.splits_ram:
         return None
-    nbytes, why = home_ram(settings.ram_budget_gb, run.ram_available, engine.homes_held, run.ram_kept_by_comfy)
+    nbytes, why = _home_ram(engine, run, settings)
     return split_ram(residency, engine.home_sizes or engine.block_sizes, nbytes, why, engine.read_buffers,
                      engine.block_sizes)
 
 
+def _home_ram(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -> tuple[int, str]:
+    """(bytes the block homes may use, why): swap.ram_split.home_ram of this load's numbers."""
+    return home_ram(settings.ram_budget_gb, run.ram_available, engine.homes_held, run.ram_kept_by_comfy)
+
+
 def ram_homes(engine: EngineFacts, residency: ResidencyPlan, ram: RamSplit | None) -> frozenset[int]:
-    """The blocks that hold a RAM home under `residency`: every block, none, or the split's."""
-    if engine.every_home_in_ram:
-        return frozenset(range(len(engine.block_sizes)))
-    if not engine.splits_ram:
-        return frozenset()
-    streamed = frozenset(residency.streamed)
-    return streamed if ram is None else streamed & ram.ram_blocks
+    """The blocks that hold a RAM home under `residency` (swap.home_policy; `ram`: the split)."""
+    return engine.policy.ram_homes(len(engine.block_sizes), residency, ram.ram_blocks if ram is not None else None)
 
 
 def _coding(engine: EngineFacts, run: RunFacts, settings: SwapSettings, window: WindowPlan,
             ram: RamSplit | None) -> CodingChoice:
     why_not = coding_choice.cannot_code(run.cuda, run.coder_missing, engine.own_load)
-    short = bool(ram is not None and ram.file_blocks) or (engine.splits_ram and home_ram(
-        settings.ram_budget_gb, run.ram_available, engine.homes_held, run.ram_kept_by_comfy)[0]
-        < engine.total_block_bytes)
+    short = bool(ram is not None and ram.file_blocks) or \
+        (engine.policy.splits_ram and _home_ram(engine, run, settings)[0] < engine.total_block_bytes)
     homed = bool(ram_homes(engine, window.residency, ram) & set(window.residency.streamed))
     return coding_choice.choose(settings.compress, why_not, window, short, homed, engine.coding_ratio,
                                 engine.decode_rate, run.preview)
@@ -318,10 +317,9 @@ def kept_at_unload(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -
     """Bytes of resident blocks a model taken off the GPU may keep in RAM (the next attach then
     places them without reading the file): what the home RAM leaves beside the homes it holds,
     where the engine splits RAM; 0 otherwise."""
-    if not engine.splits_ram:
+    if not engine.policy.splits_ram:
         return 0
-    nbytes, _ = home_ram(settings.ram_budget_gb, run.ram_available, engine.homes_held, run.ram_kept_by_comfy)
-    return max(0, nbytes - engine.homes_held)
+    return max(0, _home_ram(engine, run, settings)[0] - engine.homes_held)
 
 
 __all__ = ["CODED", "KEEP", "LOAD", "OOM", "RATES", "CallFacts", "EngineFacts", "LoadPlan", "NotEnoughVRAM",

@@ -89,7 +89,6 @@ def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: in
     facts = file_facts(path)
     shape = latent_shape(facts.model, width, height, frames, batch)
     device = comfy.model_management.get_torch_device()
-    policy = home_policy(home)
     reserve = comfy_memory.reserved_vram()
 
     def call(per_call: int) -> CallFacts:
@@ -97,8 +96,7 @@ def plan_for_file(path: str, width: int, height: int, frames: int = 1, batch: in
         return CallFacts(activation_bytes=int(facts.model.memory_required(list(call_shape))),
                          activation_source="ComfyUI's estimate", reserve_bytes=reserve,
                          tokens=tokens(facts.model.diffusion_model, call_shape))
-    engine = EngineFacts(block_sizes=facts.block_sizes, every_home_in_ram=policy.every_block,
-                         splits_ram=policy.splits_ram, own_load=True)
+    engine = EngineFacts(block_sizes=facts.block_sizes, policy=home_policy(home), own_load=True)
     run = RunFacts(device=str(device), free_bytes=free_for_run(device), nonblock_bytes=facts.nonblock_bytes,
                    batched=call(conds), single=call(1), conds_per_step=conds, all_asked=device.type == "cpu",
                    coder_missing=coder_missing(), ram_available=comfy_memory.ram_available(),

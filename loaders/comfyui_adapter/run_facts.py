@@ -115,8 +115,16 @@ def gather(patcher, device: torch.device, all_asked: bool = False, change: str =
         all_asked=device.type == "cpu" or all_asked,
         dense_bytes=tuple(folder.dense_bytes(i) for i in range(engine.num_blocks)) if folder else (),
         packed_only=patcher.ringswap_run.packed_only, coder_missing=coder_missing(),
-        ram_available=comfy_memory.ram_available(), ram_kept_by_comfy=comfy_memory.ram_kept_by_comfy(),
-        change=change, **extra)
+        change=change, **_host_ram(), **extra)
+
+
+def host_ram(device: torch.device) -> RunFacts:
+    """RunFacts with only the host RAM numbers filled in (what an unload's kept_at_unload reads)."""
+    return RunFacts(device=str(device), free_bytes=0, nonblock_bytes=0, **_host_ram())
+
+
+def _host_ram() -> dict:
+    return dict(ram_available=comfy_memory.ram_available(), ram_kept_by_comfy=comfy_memory.ram_kept_by_comfy())
 
 
 def free_for(patcher, device: torch.device) -> int:

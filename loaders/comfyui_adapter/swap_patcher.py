@@ -244,7 +244,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         if sys.is_finalizing() or not self._owns_engine():
             return 0
         freed = engine.device_bytes()
-        engine.detach(kept_at_unload(engine.facts(), run_facts.gather(self, engine.device), self.ringswap))
+        engine.detach(kept_at_unload(engine.facts(), run_facts.host_ram(engine.device), self.ringswap))
         self._release_folder()
         if self.model.model_loaded_weight_memory > 0:
             self.model.model_loaded_weight_memory = max(0, self.model.model_loaded_weight_memory - freed)

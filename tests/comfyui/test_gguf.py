@@ -98,7 +98,7 @@ def test_model_loader_reads_gguf_files(gguf_dir, home):
     comfy.model_management.unload_all_models()
     for window, prefetch in ((1, 0), (2, 1), (BLOCKS, 1)):
         model = load_swapped_model(path, SwapSettings(window, prefetch), home=home, disk_workers=2)
-        assert model.swap_engine.read_block is not None and model.swap_engine.home == home
+        assert model.swap_engine.read_block is not None and model.swap_engine.homes.mode == home
         qkv = next(a for a in model.swap_engine.states[0].layout.attrs if (a.path, a.name) == ("self_attn.q", "weight"))
         assert qkv.codec is not None, "the block weights stay GGUF bytes"
         for _ in range(2):

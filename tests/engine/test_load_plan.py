@@ -12,6 +12,7 @@ from ringswap.swap.coding_choice import SCRATCH_BYTES
 from ringswap.swap.load_plan import (CODED, DISK_GUESS, KEEP, LOAD, OOM, RATES, CallFacts, EngineFacts, RunFacts,
                                      SwapSettings, bytes_before_attach, kept_at_unload, place_seconds, plan_load,
                                      ram_homes)
+from ringswap.swap.home_policy import home_policy
 from ringswap.swap.ram_split import MARGIN_MIN, MARGIN_SHARE, home_ram
 from ringswap.swap.residency import ResidencyPlan
 from ringswap.swap.window_plan import NotEnoughVRAM
@@ -24,14 +25,14 @@ CALL = CallFacts(activation_bytes=2 * GB, activation_source="ComfyUI's estimate"
 
 def engine(**kw) -> EngineFacts:
     """home=ram (every block keeps a RAM home), RingSwap's own load of the file."""
-    base = dict(block_sizes=(BLOCK,) * N, every_home_in_ram=True, own_load=True)
+    base = dict(block_sizes=(BLOCK,) * N, policy=home_policy("ram"), own_load=True)
     base.update(kw)
     return EngineFacts(**base)
 
 
 def auto_home(**kw) -> EngineFacts:
     """home=auto: streamed blocks get RAM homes as the RAM split allows, two read buffers."""
-    return engine(every_home_in_ram=False, splits_ram=True, read_buffers=2, **kw)
+    return engine(policy=home_policy("auto"), read_buffers=2, **kw)
 
 
 def run(change=LOAD, call=CALL, **kw) -> RunFacts:
@@ -322,7 +323,7 @@ def test_ram_homes_by_home_policy():
     r = ResidencyPlan.make(N, 3, 1)
     split = plan_load(auto_home(), run(free_bytes=24 * GB), SwapSettings(3, ram_budget_gb=2.0)).ram
     assert ram_homes(engine(), r, None) == frozenset(range(N))
-    assert ram_homes(engine(every_home_in_ram=False), r, None) == frozenset()   # home=disk
+    assert ram_homes(engine(policy=home_policy("disk")), r, None) == frozenset()   # home=disk
     assert ram_homes(auto_home(), r, None) == frozenset(r.streamed)
     assert ram_homes(auto_home(), r, split) == split.ram_blocks
 
