@@ -107,10 +107,11 @@ RAM_BUDGET = Number(float, 0.0, 0.0, 4096.0, 1.0, tooltip=(
     "home=auto: host RAM (GB) this model's streamed blocks may hold. 0 = automatic: the RAM "
     "available when sampling starts, less a margin of 10% of it (at least 2 GB) and what ComfyUI "
     "keeps for its RAM cache."))
-DISK_WORKERS = Number(int, 4, 1, 16, tooltip=(
-    "Reader threads for the file (positioned reads, one file handle each). More helps on NVMe; "
-    "a disk that reads slower with parallel streams (HDD, some network/virtual disks) may do "
-    "better with 1-2. With home=disk, host RAM for blocks is about this many blocks."))
+DISK_WORKERS = Number(int, 0, 0, 32, tooltip=(
+    "Reader threads for the file (positioned reads, one file handle each). 0 (auto): one per CPU "
+    "core, 4 to 16, which reads a file in the page cache at the memory's rate. A disk that reads "
+    "slower with many parallel streams (HDD, some network/virtual disks) may do better with 1-4. "
+    "With home=disk, host RAM for blocks is about min(this, 4) blocks (at least 2)."))
 UNET_NAME_TIP = ("A .safetensors diffusion model (bf16, fp16, fp32, fp8, scaled fp8), or a "
                  ".gguf one (read with the ComfyUI-GGUF pack's loader, which must be installed).")
 

@@ -36,6 +36,8 @@ from .stats import RunStats
 
 log = logging.getLogger("ringswap.engine")
 
+READ_BUFFERS_MAX = 4
+
 
 class BlockSwapEngine:
     """Blocks read through `read_block` (or, without one, held by the modules) with homes as the
@@ -49,8 +51,9 @@ class BlockSwapEngine:
         if self.homes.from_file and read_block is None:
             raise ValueError(f"home={home!r} needs a read_block function")
         self.read_block = read_block
-        self.disk_workers = max(1, disk_workers)
-        self.read_buffers = max(2, self.disk_workers)   # one reader still reads the next block ahead
+        # staging buffers for file reads: one is read (by all the reader's threads, a chunk each)
+        # while the others land; more would only hold RAM (home=disk: RAM for blocks)
+        self.read_buffers = max(2, min(disk_workers, READ_BUFFERS_MAX))
         layouts: dict[BlockLayout, BlockLayout] = {}
         self.states = []
         for i, block in enumerate(blocks):

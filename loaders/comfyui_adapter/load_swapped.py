@@ -32,7 +32,7 @@ from .swap_state import SwapState
 log = logging.getLogger("ringswap.load_swapped")
 
 
-def load_swapped_model(path: str, settings: SwapSettings, home: str = "ram", disk_workers: int = 4,
+def load_swapped_model(path: str, settings: SwapSettings, home: str = "ram", disk_workers: int = 0,
                        progress: Callable[[int, int], None] | None = None) -> SwapModelPatcher:
     """A block-swapping MODEL of the file at `path`."""
     return SwapModelPatcher.wrap(load_swapped_base(path, home, disk_workers, progress), settings)
@@ -43,7 +43,7 @@ def load_swapped_model(path: str, settings: SwapSettings, home: str = "ram", dis
 _LOADED: "weakref.WeakValueDictionary[tuple, comfy.model_patcher.ModelPatcher]" = weakref.WeakValueDictionary()
 
 
-def cached_swapped_base(path: str, home: str = "ram", disk_workers: int = 4, model_options: dict | None = None,
+def cached_swapped_base(path: str, home: str = "ram", disk_workers: int = 0, model_options: dict | None = None,
                         progress: Callable[[int, int], None] | None = None) -> comfy.model_patcher.ModelPatcher:
     """load_swapped_base, reusing the model already loaded from the same unchanged file."""
     key = (os.path.realpath(path), *file_identity(path), home, disk_workers,
@@ -74,7 +74,7 @@ def own_model_for(model: comfy.model_patcher.ModelPatcher,
     return cached_swapped_base(path, home="auto", model_options=options, progress=progress)
 
 
-def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
+def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 0,
                       progress: Callable[[int, int], None] | None = None,
                       model_options: dict | None = None) -> comfy.model_patcher.ModelPatcher:
     """The ModelPatcher of the file (plain, or ComfyUI-GGUF's for a .gguf), with its swap
@@ -111,7 +111,7 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 4,
         else:
             weakref.finalize(dm, reads.close)
         engine = BlockSwapEngine(blocks, read_block=reads.read_block if reads else None, home=home,
-                                 disk_workers=disk_workers)
+                                 disk_workers=reader.workers)
         SwapState.install(dm, engine)
         t0 = time.perf_counter()
         nbytes = engine.fill_home(progress)   # home=ram with the file to read: every block into RAM now

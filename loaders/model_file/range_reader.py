@@ -29,6 +29,17 @@ CHUNK_BYTES = 64 * 1024 * 1024
 _MAX_SYSCALL = 1 << 30  # Linux and Windows read at most ~2 GiB per call; keep well under
 PORTABLE_ENV = "RINGSWAP_PORTABLE_READS"
 PREADV, PREAD, SEEK_READINTO = "preadv", "pread", "seek+readinto"
+AUTO_WORKERS_MAX = 16   # enough to read from the page cache at the memory's rate (bench/RESULTS.md, fill rates)
+
+
+def reader_workers(requested: int = 0) -> int:
+    """Reader threads for `requested` (0: auto, one per CPU core up to AUTO_WORKERS_MAX, at
+    least 4). From the page cache one thread reads 2-5 GB/s and 16 read 10-47 GB/s (fresh or
+    reused memory); the node's widget may set a count for a disk that reads slower with many
+    parallel streams."""
+    if requested > 0:
+        return requested
+    return max(4, min(AUTO_WORKERS_MAX, os.cpu_count() or 4))
 
 
 def read_method(portable: bool | None = None) -> str:
@@ -87,16 +98,17 @@ class _Job:
 
 
 class RangeReader:
-    """`workers` threads, each taking one of `workers` file handles for a chunk, so no
+    """`workers` threads (0: auto, `reader_workers`), each taking one of `workers` file handles for a chunk, so no
     handle is ever used by two threads at once (the seek + readinto path relies on that).
     `portable`: see read_method; `self.method` says what was chosen."""
 
-    def __init__(self, path: str | os.PathLike, workers: int = 4, drop_cache: bool = True,
+    def __init__(self, path: str | os.PathLike, workers: int = 0, drop_cache: bool = True,
                  chunk_bytes: int = CHUNK_BYTES, portable: bool | None = None):
-        if workers < 1 or chunk_bytes < 1:
-            raise ValueError(f"RangeReader: workers ({workers}) and chunk_bytes ({chunk_bytes}) must be >= 1")
+        if workers < 0 or chunk_bytes < 1:
+            raise ValueError(f"RangeReader: workers ({workers}) must be >= 0 (0: auto) and chunk_bytes "
+                             f"({chunk_bytes}) >= 1")
         self.path = os.fspath(path)
-        self.workers = workers
+        self.workers = workers = reader_workers(workers)
         self.method = read_method(portable)
         self.drop_cache = drop_cache and hasattr(os, "posix_fadvise")
         self.chunk_bytes = chunk_bytes

@@ -63,7 +63,7 @@ def test_loader_node_is_listed_with_widgets_and_tooltips(server):
     assert ram[0] == "FLOAT" and ram[1]["default"] == 0.0 and ram[1]["min"] == 0.0 and ram[1].get("tooltip")
     assert required["pin_memory"][0] == ["auto", "on", "off"]
     dw = required["disk_workers"][1]
-    assert (dw["min"], dw["max"], dw["default"]) == (1, 16, 4)
+    assert (dw["min"], dw["max"], dw["default"]) == (0, 32, 0)   # 0: auto (range_reader.reader_workers)
     assert required["window"][1]["min"] == 0 and required["prefetch"][1]["min"] == 0
 
 
