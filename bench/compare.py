@@ -6,12 +6,17 @@ One Wan-2.1-14B-shaped file per format (ComfyUI's WanModel: 40 blocks, dim 5120,
 machine into --dir. Each cell (format x configuration x cap) runs in its own process
 (bench/compare_child.py) on the ComfyUI version the configuration names, behind a ballast
 process started before it that holds all but `cap` GiB of the GPU's free memory; the
-process measures every workload (--tokens, default 7,800 and 32,760) after one load.
-The disk cell also gets the disk's own O_DIRECT rate, measured right before it.
+process measures every workload (--tokens, default 7,800 and 32,760) after one load, each as
+one prompt of --prompt-steps steps (one sampling call): s/step (steps 2..N), the time to the
+first step (TTFS: the first workload's includes the node's load) and the prompt's wall.
+The disk cell also gets the disk's own O_DIRECT rate, measured right before it. Every other
+cell starts from a warm file (read whole before it) or, with --cold, a dropped page cache;
+the file's read rates (into pinned memory; --cold: O_DIRECT) are measured once per format
+(compare_cache.py), the bounds TTFS is held to.
 
 Cells run in priority order (per format: the uncapped baselines, then each cap in --caps
 order, the disk cells last, since they drop the page cache); a cell whose estimated time
-does not fit the rest of --budget-s is listed as "not run (budget)". Under the table, one line
+(compare_plan.py) does not fit the rest of --budget-s is listed as "not run (budget)". Under the table, one line
 per RingSwap cell says which of the issue's targets it meets (compare_targets.py). The table (markdown)
 and everything measured (JSON) are written after every cell; --merge joins the JSON of
 several runs (e.g. several device calls) into one table. The process exits with status 8
@@ -19,7 +24,8 @@ several runs (e.g. several device calls) into one table. The process exits with 
 
     source scripts/device_setup.sh && python3 bench/compare.py --caps 24 --json $OUT/compare.json
     python3 bench/compare.py --merge a/compare.json b/compare.json --json all.json   # here, no GPU
-Tiny CPU run of every configuration's code path (caps ignored; meaningless numbers):
+Tiny CPU run of every configuration's code path (caps ignored; meaningless numbers, so target
+lines read MISSED and it exits 8; --prompt-steps 3 makes it quicker):
     RINGSWAP_COMFYUI_DIR=$PWD/.comfyui .venv/bin/python bench/compare.py --small
 """
 from __future__ import annotations
@@ -39,73 +45,13 @@ from link_load import LinkLoad  # noqa: E402
 from ram_ballast import RamBallast, swapped_out_pages  # noqa: E402
 from compare_table import rounds_joined, scenario, table  # noqa: E402
 from compare_targets import missed, targets  # noqa: E402
+import compare_cache  # noqa: E402
+from compare_plan import (GROUPS, add_prompt_options, config_at, dry_run, estimate, plan_cells,  # noqa: E402,F401
+                          prompt_steps, rates_s)
 
-# (configuration, cap GiB or None = each of --caps); 0 = no cap
-GROUPS = {
-    "base": [("floor", 0), ("comfy-0.3.75", 0), ("comfy-0.33-dyn", 0), ("comfy-0.33", 0)],
-    "peers": [("comfy-0.3.75", None), ("comfy-0.33-dyn", None), ("comfy-0.33", None), ("diffusers", None)],
-    "ringswap": [("rs-patch-0.3.75", None), ("rs-loader-0.3.75", None), ("rs-patch-0.33-dyn", None),
-                 ("rs-loader-0.33-dyn", None)],
-    "disk": [("rs-disk-0.3.75", None)],
-}
-# Seconds per cell on the H200 (bf16, both workloads, 5 steps each; process start, load and
-# the steps; the most measured on 2026-12-01), replaced by the measured wall time of a cell
-# of the same kind in the run.
-EST_S = {"floor": 62, "comfy": 70, "diffusers": 85, "patch": 75, "loader": 75, "auto": 90, "disk": 240}
-RAM_BALLAST_S = 40.0   # measured 35-40 s on the H200 (a 48-85 GB ballast)
-FORMAT_SCALE = {"bf16": 1.0, "scaled_fp8": 0.7, "fp32": 2.0, "gguf_q8_0": 0.8, "gguf_q4_k": 0.7}
 # the exit status when a target line reads MISSED: apart from a crash (1), argparse (2), pytest's
 # 0-5 and timeout's 124+ in device_run.sh's summary
 MISSED_EXIT = 8
-
-
-def config_at(arg: str) -> tuple[str, float | None]:
-    """--configs entry: NAME (at each of --caps; the floor uncapped) or NAME@CAP (that cap only)."""
-    name, _, cap = arg.partition("@")
-    if name not in CONFIGS:
-        raise SystemExit(f"compare.py: --configs {arg}: unknown configuration {name!r} (one of {', '.join(CONFIGS)})")
-    try:
-        return name, (float(cap) if cap else 0 if name == "floor" else None)
-    except ValueError:
-        raise SystemExit(f"compare.py: --configs {arg}: the cap after @ must be GiB (e.g. {name}@24)") from None
-
-
-def _links_of(a, name: str, cap: float, link: str) -> tuple[str, ...]:
-    """The links a cell runs on. The uncapped resident runs copy nothing a step: the full link,
-    and with --resident-on-link also beside the link load (the streamed cells' emulated machine)."""
-    if cap or CONFIGS[name].kind not in ("floor", "comfy"):
-        return (link,)
-    return ("full", link) if getattr(a, "resident_on_link", False) else ("full",)
-
-
-def plan_cells(a) -> list[dict]:
-    """The cells to run, in priority order, without repeats."""
-    if a.configs:
-        picked = [config_at(n) for n in a.configs]
-    else:
-        picked = [e for g in a.groups for e in GROUPS[g]]
-    fixed = [(n, c) for n, c in picked if c is not None]
-    per_cap = [n for n, c in picked if c is None and CONFIGS[n].kind != "disk"]
-    disk = [n for n, c in picked if c is None and CONFIGS[n].kind == "disk"]
-    cells, seen = [], set()
-    for fmt in a.formats:
-        order = fixed + [(n, cap) for cap in a.caps for n in per_cap] + [(n, cap) for cap in a.caps for n in disk]
-        for cfg in a.cfgs:
-            for link in a.links:
-                for ram, (name, cap) in ((r, e) for r in getattr(a, "rams", [0.0]) for e in order):
-                    for on in _links_of(a, name, cap, link):
-                        if (fmt, cfg, on, name, cap, ram) not in seen:
-                            seen.add((fmt, cfg, on, name, cap, ram))
-                            cells.append({"format": fmt, "cfg": cfg, "link": on, "config": name, "cap_gib": cap,
-                                          **({"ram_gb": ram} if ram else {}),
-                                          **({"experts": a.experts} if getattr(a, "experts", 1) > 1 else {}),
-                                          **({"lora_rank": a.lora_rank} if getattr(a, "lora_rank", 0) else {}),
-                                          **({"compile": a.compile} if getattr(a, "compile", None) else {}),
-                                          **({"compress": a.compress} if getattr(a, "compress", "off") != "off"
-                                             and CONFIGS[name].kind in ("patch", "loader", "auto") else {})})
-    if a.repeat > 1:   # whole rounds, so a drift of the machine spreads over every cell alike
-        cells = [dict(c, round=r) for r in range(a.repeat) for c in cells]
-    return cells
 
 
 def runtime(a) -> str:
@@ -122,7 +68,7 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
     # on the CPU a ballast holds nothing: RingSwap's cap is emulated by a window of 2 blocks
     window = 2 if a.small and cell["cap_gib"] else a.window
     opts = ["--child", cell["config"], "--path", path, "--window", str(window), "--cfg", str(cell.get("cfg", 1.0)),
-            *common.child_args(a, ["device", "steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun",
+            *common.child_args(a, ["device", "prompt_steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun",
                                     "rerun_steps", "lora_rank", "compile", "experts", "compress"])]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
@@ -131,16 +77,6 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
         return ["bash", "-c", setup, "_", cfg.comfy, "python3", script, *opts], env
     env["RINGSWAP_COMFYUI_DIR"] = a.comfy_033 if cfg.comfy == "0.33" else a.comfy_0375
     return [sys.executable, script, *opts], env
-
-
-def estimate(cell: dict, measured: dict, a) -> float:
-    kind = CONFIGS[cell["config"]].kind
-    if (kind, cell["format"]) in measured:
-        return measured[(kind, cell["format"])]
-    if a.small:
-        return 20.0
-    ballast = RAM_BALLAST_S if cell.get("ram_gb") else 0.0   # the disk probe, cache drop and locking the RAM
-    return EST_S[kind] * FORMAT_SCALE.get(cell["format"], 1.0) * cell.get("experts", 1) + ballast
 
 
 def disk_rates(path: str, a) -> list[dict]:
@@ -157,6 +93,7 @@ def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
         common.say("[compare] O_DIRECT: " + ", ".join(f"{o['gbps']:.2f} GB/s ({o['mode']})" for o in cell["odirect"]))
     cmd, env = child_command(a, cell, path)
     t0 = time.perf_counter()
+    compare_cache.prepare(a, cell, path)   # warm: the file read whole; --cold: the page cache dropped
     halved = cell.get("link", "full") == "halved" and a.device == "cuda"
     if cell.get("ram_gb"):   # a smaller machine: cold page cache, all but ram_gb of the RAM locked away
         from io_rates import drop_page_cache
@@ -187,7 +124,7 @@ def save(a, cells: list[dict], env: dict) -> tuple[str, list[str]]:
     """Write the report (the table, then one target line per RingSwap row) to --json and --md;
     return it and its target lines that read MISSED."""
     joined = rounds_joined(cells)
-    out = table(joined, small=a.small, link_gbps=env.get("h2d_gbps"))
+    out = compare_cache.header(joined) + table(joined, small=a.small, link_gbps=env.get("h2d_gbps"))
     judged = targets(joined, env.get("h2d_gbps"), a.workers)
     out += "\n\nTargets:\n" + judged if judged else ""
     common.write_json(a.json, {"env": env, "args": vars(a), "cells": cells, "table": out})
@@ -231,14 +168,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--configs", nargs="+", metavar="NAME[@CAP]",
                     help=f"these instead of --groups ({', '.join(CONFIGS)}); @CAP: at that cap only")
     ap.add_argument("--caps", type=float, nargs="+", default=None, help="GiB left free; 0 = no cap; default 24 12")
-    ap.add_argument("--steps", type=int, default=4, help="timed steps after the first (reported apart)")
+    add_prompt_options(ap)
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every cell this many times, in whole rounds; the table shows each row's median")
     ap.add_argument("--rerun", action="store_true",
                     help="after each workload, one more run: the next prompt (load again, plan with what "
                          "the first run measured)")
     ap.add_argument("--rerun-steps", type=int, default=1, help="steps of the --rerun prompt after its first")
-    ap.add_argument("--disk-steps", type=int, default=1, help="the same for home=disk")
+    ap.add_argument("--disk-steps", type=int, default=1,
+                    help="home=disk cells: a prompt of 1 + this many steps (each reads the streamed blocks from disk)")
     ap.add_argument("--workers", type=int, default=8, help="disk_workers of the disk cells")
     ap.add_argument("--compress", choices=["off", "on", "auto"], default="off",
                     help="RingSwap's compress setting in its cells (on/auto need nvCOMP: carry .whl-nvcomp)")
@@ -280,11 +218,11 @@ def run_cells(a, cells: list[dict], env: dict, deadline: float) -> None:
     from gguf_model import is_gguf_format, wan14b_gguf
     from model_file import wan14b_file
     measured: dict[tuple, float] = {}
-    paths = {}
+    paths, rates = {}, env.setdefault("read_rates", {})
     for cell in cells:
         fmt = cell["format"]
         left = deadline - time.perf_counter()
-        est = estimate(cell, measured, a)
+        est = estimate(cell, measured, a) + (0.0 if fmt in rates else rates_s(a))
         if fmt not in paths and left > est:
             paths[fmt] = wan14b_gguf(a.dir, fmt, a.small, layers_small=4) if is_gguf_format(fmt) \
                 else wan14b_file(a.dir, fmt, a.small, a.device, layers_small=4)
@@ -295,6 +233,9 @@ def run_cells(a, cells: list[dict], env: dict, deadline: float) -> None:
         else:
             common.say(f"[compare] {fmt}/cfg {cell['cfg']:g}/{cell['link']}/{cell['config']}@{cell['cap_gib']:g}"
                        + (f" round {cell['round'] + 1}" if "round" in cell else "") + f" (~{est:.0f} s)")
+            if fmt not in rates:   # once per format, in the same call as its cells
+                rates[fmt] = compare_cache.read_rates(a, paths[fmt])
+            cell.update(run=env["run"], read_rates=compare_cache.compact(rates[fmt]))
             run_cell(a, cell, paths[fmt], deadline)
             measured[(CONFIGS[cell["config"]].kind, fmt)] = cell["cell_wall_s"]
             if "error" in cell:
@@ -306,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the cells (or --merge earlier runs' JSON); the exit status, MISSED_EXIT where a
     target line of the report reads MISSED."""
     a = parser().parse_args(argv)
+    a.prompt_steps, a.steps = prompt_steps(a), None
     if a.small:   # two workloads in one process, as on the GPU
         a.ctx_len, a.tokens = 16, a.tokens or [64, 256]
     a.formats = a.formats or (["fp32"] if a.small else ["bf16"])
@@ -317,15 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     deadline = common.T0 + a.budget_s
     cells = plan_cells(a)
     env = common.env_info(torch.device(a.device))
+    env.update(run=time.strftime("%Y-%m-%d %H:%M:%S") + f" pid {os.getpid()}", cold=a.cold, prompt_steps=a.prompt_steps)
     if not a.dry_run:   # the pinned link's own rate, for the transfer-bound cells
         from io_rates import h2d_rate
         env["h2d_gbps"] = h2d_rate(torch.device(a.device), (64 if a.small else 1024) << 20)["gbps"]
     common.say(f"compare.py: {len(cells)} cells, runtime {runtime(a)}, budget {a.budget_s:.0f} s; "
                + ", ".join(f"{c['format']}/{c['config']}@{c['cap_gib']:g}" for c in cells))
     if a.dry_run:
-        for c in cells:
-            print(f"{c['format']:>10} {c['config']:>20} cap {c['cap_gib']:>4g}: ~{estimate(c, {}, a):.0f} s")
-        return 0
+        return dry_run(a, cells)
     run_cells(a, cells, env, deadline)
     return report(*save(a, cells, env))
 

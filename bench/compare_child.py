@@ -15,7 +15,10 @@ Kinds of configuration:
 --experts 2 (loader, auto, disk): Wan 2.2 style, two models loaded apart from the file (a first
 prompt loads both; the next prompt's two first steps are the expert switches timed), the
 first sampling the first half of the steps and the second the rest; the switch and each
-expert's pinned bytes are reported. Per workload: the first step apart, the mean of the rest (common.steady_s), RingSwap's log lines;
+expert's pinned bytes are reported. Per workload: one prompt of --prompt-steps steps (home=disk:
+1 + --disk-steps), one sampling call; its first step apart, s/step the mean of the rest
+(common.steady_s); TTFS and the prompt's wall (prompt_figures: the first workload's include the
+node's load, later workloads' start at their sampling call); RingSwap's log lines;
 with --rerun, one more sampling run of 1 + --rerun-steps steps (the next prompt: its first step,
 what ComfyUI's load costs again, its s/step planned with what the first run measured, and its
 log lines);
@@ -137,9 +140,6 @@ def build(cfg: Config, a, dev: torch.device):
     if cfg.kind in ("loader", "disk", "auto"):
         from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
         from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
-        if cfg.kind == "disk":
-            from io_rates import drop_page_cache
-            drop_page_cache(a.path, "auto")
         home = {"disk": "disk", "auto": "auto"}.get(cfg.kind, "ram")
         models = [as_sampled(load_swapped_model(a.path, SwapSettings(a.window, 1, "auto", compress=a.compress), home=home,
                                                 disk_workers=a.workers), a) for _ in range(a.experts)]
@@ -176,6 +176,29 @@ def time_steps(obj, how: str, patcher, tokens: int, n: int, a, dev: torch.device
     inputs = common.make_inputs(tokens, dev, common.compute_dtype(patcher, dev), a.ctx_len, 0,
                                 batch=1 if a.cfg == 1 else 2)
     return common.step_times(obj, inputs, n, dev)
+
+
+def prompt_figures(times: list[float], load_s: float | None) -> dict:
+    """One prompt's figures from its per-step times (times[0]: from the sampling call to the end
+    of step 1, the device synchronised): s/step, the mean of steps 2..N; TTFS, the node's load
+    `load_s` (the Load Diffusion Model / RingSwap node calls timed by child(), where this prompt
+    paid it, else None) plus times[0]; the prompt's wall, TTFS plus steps 2..N."""
+    ttfs = (load_s or 0.0) + times[0]
+    return {"first_step_s": times[0], "steps": times, "s_per_step": common.steady_s(times) or times[0],
+            "ttfs_s": ttfs, "ttfs_load": load_s is not None, "first_prompt_s": ttfs + sum(times[1:]),
+            "prompt_steps": len(times)}
+
+
+def timed_prompts(obj, how: str, patcher, tokens: int, n: int, a, dev: torch.device, load_s: float | None) -> dict:
+    """A workload's prompt of `n` steps and its figures (prompt_figures); two experts: the first
+    prompt (loading both) gives TTFS and its wall, the next one (switching) the steps."""
+    times = time_steps(obj, how, patcher, tokens, n, a, dev)
+    row = prompt_figures(times, load_s)
+    if how == "experts":
+        again = time_steps(obj, how, patcher, tokens, n, a, dev)
+        row.update(first_prompt_steps=times, first_prompt_switch_s=times[n // 2], first_step_s=again[0],
+                   steps=again, s_per_step=common.steady_s(again) or again[0])
+    return row
 
 
 def expert_steps(models: list, tokens: int, steps: int, ctx_len: int, cfg: float) -> list[float]:
@@ -250,6 +273,14 @@ def expert_figures(times: list[float], experts: list, n_steps: int) -> dict:
             "expert_attached": [m.swap_engine.att is not None for m in experts]}
 
 
+def cold_for_disk(cfg: Config, a) -> None:
+    """home=disk reads from a cold file: the page cache dropped (before the load and before each
+    workload); other kinds: nothing (compare.py set the cache up before the process)."""
+    if cfg.kind == "disk":
+        from io_rates import drop_page_cache
+        drop_page_cache(a.path, "auto")
+
+
 def child(a) -> dict:
     """Measure configuration `a.child` at every workload in `a.tokens`."""
     cfg = CONFIGS[a.child]
@@ -260,6 +291,7 @@ def child(a) -> dict:
     vram0 = common.device_used_bytes()
     rss0, parts0 = common.rss_bytes(), rss_parts()
     sampler = common.RssSampler(0.05, vram=True).start()
+    cold_for_disk(cfg, a)   # before the clock: the drop is not the load's time
     t0 = time.perf_counter()
     obj, how, patcher = build(cfg, a, dev)
     out = {"config": a.child, "kind": cfg.kind, "comfy": cfg.comfy, "dynamic_vram": cfg.dynamic,
@@ -267,24 +299,18 @@ def child(a) -> dict:
            "rss_base_parts": parts0, "rss_after_load": common.rss_bytes(), "rss_after_load_parts": rss_parts(),
            "file_bytes": os.path.getsize(a.path),
            "env": common.env_info(dev), "rows": []}
-    steps = a.disk_steps if cfg.kind == "disk" else a.steps
+    n = 1 + a.disk_steps if cfg.kind == "disk" else a.prompt_steps
     runs = keep_run_stats(obj if how == "experts" else [patcher])
     for tokens in a.tokens:
-        if cfg.kind == "disk":
-            from io_rates import drop_page_cache
-            drop_page_cache(a.path, "auto")
+        cold_for_disk(cfg, a)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         sampler.vram_peak = common.device_used_bytes()
         rss_peak_before, sampler.peak = sampler.peak, common.rss_bytes()
         row = {"tokens": tokens}
         seen = len(log.lines)
-        try:
-            if how == "experts":   # the first prompt loads both experts; the next one switches
-                first = time_steps(obj, how, patcher, tokens, 1 + steps, a, dev)
-                row.update(first_prompt_steps=first, first_prompt_switch_s=first[(1 + steps) // 2])
-            times = time_steps(obj, how, patcher, tokens, 1 + steps, a, dev)
-            row.update(first_step_s=times[0], steps=times, s_per_step=common.steady_s(times) or times[0])
+        try:   # the first workload pays the node's load
+            row.update(timed_prompts(obj, how, patcher, tokens, n, a, dev, None if out["rows"] else out["load_s"]))
         except torch.OutOfMemoryError as e:
             row["error"] = "out of memory: " + str(e).splitlines()[0][:200]
         row.update(memory_after(sampler, vram0, dev))
@@ -293,18 +319,18 @@ def child(a) -> dict:
         if engine is not None and engine.plan is not None:
             row["plan"] = engine.plan.describe()
         if runs:   # this workload's run (two experts: one each)
-            row.update(run_figures(runs[-2:] if how == "experts" else runs[-1:], 1 + steps))
+            row.update(run_figures(runs[-2:] if how == "experts" else runs[-1:], n))
             runs.clear()
         row["log"], seen = log.lines[seen:], len(log.lines)
         if how == "experts" and "error" not in row:
-            row.update(expert_figures(times, obj, 1 + steps))
+            row.update(expert_figures(row["steps"], obj, n))
         if a.rerun and "error" not in row:   # the next prompt at this size: its first step
             again = time_steps(obj, how, patcher, tokens, 1 + a.rerun_steps, a, dev)
             row.update(rerun_first_step_s=again[0], rerun_step_s=common.steady_s(again), rerun_log=log.lines[seen:])
             runs.clear()
         out["rows"].append(row)
-        common.say(f"[compare] {a.child} {tokens} tokens: {common.fmt_num(row.get('s_per_step'), '.3f')} s/step "
-                   f"{row.get('error', '')}")
+        common.say(f"[compare] {a.child} {tokens} tokens: {common.fmt_num(row.get('s_per_step'), '.3f')} s/step, "
+                   f"TTFS {common.fmt_num(row.get('ttfs_s'), '.2f')} s {row.get('error', '')}")
     out["rss_peak"] = sampler.stop()
     if cfg.kind == "diffusers":
         import diffusers

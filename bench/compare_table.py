@@ -1,18 +1,20 @@
 """bench/compare.py's one table: per cell and workload the s/step (the mean after the first
 step), its ratio to the floor (WanModel alone, resident) and to ComfyUI-resident of the same
-ComfyUI version, and the first step, load time, peak VRAM, host RSS (peak / steady) and
+ComfyUI version, the time to the first step (TTFS: the node's load + the prompt's first step,
+for the first workload; later workloads' first step, "no load") and the prompt's wall (TTFS +
+its other steps), and the first step, load time, peak VRAM, host RSS (peak / steady) and
 pinned bytes."""
 from __future__ import annotations
 
 import re
-
 import statistics
+from collections import Counter
 
 from common import fmt_num, gb, md_table
 from compare_child import CONFIGS
 
 HEADERS = ["format, cfg, link", "cap GiB", "configuration", "tokens", "s/step", "x floor", "x ComfyUI resident",
-           "first step s", "load s", "peak VRAM GB (torch)", "host RSS peak / steady GB", "pinned GB", "note"]
+           "TTFS s", "first prompt s (N steps)", "first step s", "load s", "peak VRAM GB (torch)", "host RSS peak / steady GB", "pinned GB", "note"]
 
 
 def scenario(c: dict) -> tuple:
@@ -23,13 +25,14 @@ def scenario(c: dict) -> tuple:
     experts = f", {c['experts']} experts" if c.get("experts", 1) > 1 else ""
     ram = f", RAM {c['ram_gb']:g} GB" if c.get("ram_gb") else ""
     compress = f", compress {c['compress']}" if c.get("compress") else ""
-    return c["format"] + lora + compiled + experts + ram + compress, c.get("cfg", 1.0), c.get("link", "full")
+    cold = ", cold" if c.get("cold") else ""
+    return c["format"] + lora + compiled + experts + ram + compress + cold, c.get("cfg", 1.0), c.get("link", "full")
 
 
 def rounds_joined(cells: list[dict]) -> list[dict]:
     """The cells of several rounds (--repeat) as one cell per format, configuration and cap:
-    the first measured round's cell, each row's s/step the median over the measured rounds
-    and the rounds' own values kept in `s_rounds`."""
+    the first measured round's cell, each row's s/step, TTFS and prompt wall the median over the
+    measured rounds and the rounds' own s/step kept in `s_rounds`."""
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
         groups.setdefault(scenario(c) + (c["config"], c["cap_gib"]), []).append(c)
@@ -41,9 +44,13 @@ def rounds_joined(cells: list[dict]) -> list[dict]:
             continue
         joined = dict(measured[0], rows=[])
         for r in measured[0]["rows"]:
-            runs = [x.get("s_per_step") for c in measured for x in c["rows"] if x["tokens"] == r["tokens"]]
-            runs = [v for v in runs if v]
-            joined["rows"].append(dict(r, s_per_step=statistics.median(runs) if runs else None, s_rounds=runs))
+            row = dict(r)
+            for key in ("s_per_step", "ttfs_s", "first_prompt_s"):
+                runs = [v for c in measured for x in c["rows"] if x["tokens"] == r["tokens"] and (v := x.get(key))]
+                row[key] = statistics.median(runs) if runs else None
+                if key == "s_per_step":
+                    row["s_rounds"] = runs
+            joined["rows"].append(row)
         out.append(joined)
     return out
 
@@ -97,6 +104,8 @@ def _note(c: dict, r: dict, link_gbps: float | None) -> str:
     if c.get("odirect"):
         bits.append("disk O_DIRECT " + " / ".join(f"{o['gbps']:.2f}" for o in c["odirect"])
                     + f" GB/s (1 / {c['odirect'][-1]['threads']} readers)")
+    if str(c.get("page_cache", "")).startswith("warm"):
+        bits.append("page cache " + c["page_cache"])
     if c.get("ram_ballast"):
         bits.append(f"RAM ballast {c['ram_ballast']}; pages swapped out {c.get('pages_swapped_out')}")
     splits = [m[1] for ln in r.get("log", []) if (m := re.search(r"; home auto: (.*?RAM counted on [^(]*\([^)]*\))", ln))]
@@ -120,6 +129,16 @@ def _of_file(r: dict, c: dict) -> str:
     return f" ({(r['rss_steady'] - c.get('rss_base', 0)) / c['file_bytes']:.2f}x file)"
 
 
+def _prompt_cols(r: dict, n: int | None) -> list[str]:
+    """The TTFS and first-prompt cells of a row: "(no load)" where the workload ran after the
+    first (the node's load is not in it); the prompt's steps where they differ from the header's `n`."""
+    load = [] if r.get("ttfs_load", True) else ["no load"]
+    steps = [] if r.get("prompt_steps") in (None, n) else [f"{r['prompt_steps']} steps"]
+    ttfs, wall = r.get("ttfs_s"), r.get("first_prompt_s")
+    return [fmt_num(ttfs, ".2f") + (f" ({load[0]})" if load and ttfs is not None else ""),
+            fmt_num(wall, ".1f") + (f" ({', '.join(steps + load)})" if steps + load and wall is not None else "")]
+
+
 def _gb(v) -> str:
     return fmt_num(None if v is None else gb(v), ".1f")
 
@@ -128,6 +147,9 @@ def table(cells: list[dict], small: bool = False, link_gbps: float | None = None
     """The markdown table of `cells` (compare.py's cell dicts, measured or not); `link_gbps`:
     the pinned host->GPU rate measured in the same run."""
     speeds = speeds_of(cells)
+    lengths = Counter(r["prompt_steps"] for c in cells for r in c.get("rows", []) if r.get("prompt_steps"))
+    n = lengths.most_common(1)[0][0] if lengths else None   # the header's; other lengths are said in the cell
+    headers = [h.replace("N steps", f"{n} steps") if n else h for h in HEADERS]
     rows = []
     for c in cells:
         cfg = CONFIGS[c["config"]]
@@ -146,9 +168,9 @@ def table(cells: list[dict], small: bool = False, link_gbps: float | None = None
             vram = f"{_gb(r.get('vram_peak'))} ({_gb(r.get('vram_torch_peak'))})"
             rows.append(head + [f"{r['tokens']:,}", fmt_num(s, ".3f"),
                                 fmt_num(s / floor if s and floor else None, ".3f"),
-                                fmt_num(s / resident if s and resident else None, ".3f"),
+                                fmt_num(s / resident if s and resident else None, ".3f"), *_prompt_cols(r, n),
                                 fmt_num(r.get("first_step_s"), ".2f"), fmt_num(c.get("load_s"), ".1f"), vram,
                                 f"{_gb(r.get('rss_peak'))} / {_gb(r.get('rss_steady'))}" + _of_file(r, c),
                                 _gb(pinned),
                                 _note(c, r, link_gbps)])
-    return md_table(HEADERS, rows)
+    return md_table(headers, rows)

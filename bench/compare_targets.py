@@ -5,7 +5,10 @@ steady host RSS <= 1.05 x the file with home=ram, a few blocks with home=disk (w
 held to the disk's own O_DIRECT rate instead). home=auto under a RAM ballast (issue 25): no
 swapping, peak RSS <= the RAM given, <= 1.02 x home=ram where the streamed blocks fit in RAM,
 else the file's share read at >= 85% of O_DIRECT; an expert switch <= its resident bytes at
-the disk's rate. GGUF at 8 GiB (issue 27): <= 0.8 x Unet Loader (GGUF) alone."""
+the disk's rate. GGUF at 8 GiB (issue 27): <= 0.8 x Unet Loader (GGUF) alone. The time to
+the first step (issue 53), a line of its own under the row's: <= 0.6 x (warm) / 0.8 x (--cold)
+ComfyUI dynamic VRAM's in the same call, <= 1.3 x reading the file at the best pinned rate (cold:
+1.15 x at O_DIRECT) plus one step; the first prompt's wall <= 0.9 x ComfyUI dynamic VRAM's."""
 from __future__ import annotations
 
 import re
@@ -15,6 +18,7 @@ from compare_table import resident_of, scenario, speeds_of, uncapped
 
 RINGSWAP = ("patch", "loader", "disk", "auto")
 PEERS = ("comfy", "diffusers")
+TTFS_REF = "comfy-0.33-dyn"   # what a RingSwap row's TTFS and first prompt are held to
 
 
 def _rows(cells: list[dict], kinds: tuple[str, ...]):
@@ -176,8 +180,61 @@ def _gguf_target(cells: list[dict], c: dict, r: dict) -> str:
     return ""
 
 
+def _same_call(cells: list[dict], c: dict, r: dict, config: str) -> dict | None:
+    """The row of `config` measured in the same call (run) as `c`, at its cap, format, cfg, link
+    and tokens, whose prompt paid the load as `r`'s did; None where there is none."""
+    key = scenario(c) + (c["cap_gib"], r["tokens"], r.get("ttfs_load"))
+    for p in cells:
+        if p["config"] == config and c.get("run") and p.get("run") == c["run"]:
+            for pr in p.get("rows", []):
+                if scenario(p) + (p["cap_gib"], pr["tokens"], pr.get("ttfs_load")) == key and pr.get("ttfs_s"):
+                    return pr
+    return None
+
+
+def _read_bound(c: dict, r: dict) -> str:
+    """TTFS against reading the file at its run's best rate plus one steady step: warm, from the
+    page cache into pinned memory (<= 1.3 x); --cold, the disk's O_DIRECT rate (<= 1.15 x)."""
+    rates, cold = c.get("read_rates") or {}, bool(c.get("cold"))
+    rate = rates.get("odirect_best_gbps" if cold else "pinned_best_gbps")
+    what, limit = ("O_DIRECT", 1.15) if cold else ("pinned read", 1.3)
+    if not rate:
+        return f"no {what} rate measured in this call to hold TTFS to"
+    bound = rates["file_bytes"] / 1e9 / rate + r["s_per_step"]
+    x = r["ttfs_s"] / bound
+    return (f"x{x:.2f} the read bound {bound:.2f} s ({rates['file_bytes'] / 1e9:.1f} GB at the best {what} "
+            f"{rate:.2f} GB/s + one step {r['s_per_step']:.3f} s) ({'ok' if x <= limit else 'MISSED'} <= {limit:g})")
+
+
+def _ttfs_line(cells: list[dict], c: dict, r: dict) -> str:
+    """Issue 53, a RingSwap row whose prompt paid the node's load: TTFS against ComfyUI dynamic
+    VRAM's in the same call and against the read bound; the first prompt's wall against
+    ComfyUI dynamic VRAM's. Without that cell in the call, the line says so."""
+    fmt, cfg, link = scenario(c)
+    cold = bool(c.get("cold"))
+    head = (f"- TTFS {fmt} cfg {cfg:g} link {link} {c['cap_gib']:g} GiB {c['config']} {r['tokens']:,} tokens: "
+            f"TTFS {r['ttfs_s']:.2f} s, first prompt {r['first_prompt_s']:.1f} s ({r.get('prompt_steps')} steps): ")
+    ref = _same_call(cells, c, r, TTFS_REF)
+    if ref is None:
+        return head + f"no {TTFS_REF} cell in this call at {c['cap_gib']:g} GiB to hold it to; " + _read_bound(c, r)
+    x, limit = r["ttfs_s"] / ref["ttfs_s"], 0.8 if cold else 0.6
+    wall = r["first_prompt_s"] / ref["first_prompt_s"]
+    return head + "; ".join([
+        f"x{x:.2f} {TTFS_REF}'s TTFS {ref['ttfs_s']:.2f} s ({'ok' if x <= limit else 'MISSED'} <= {limit:g}, "
+        f"{'cold' if cold else 'warm'})", _read_bound(c, r),
+        f"first prompt x{wall:.2f} {TTFS_REF}'s {ref['first_prompt_s']:.1f} s ({'ok' if wall <= 0.9 else 'MISSED'} <= 0.9)"])
+
+
+def _has_ttfs(c: dict, r: dict) -> bool:
+    """A row held to the TTFS targets: its prompt paid the load, from the run's page cache (not
+    home=disk nor under a RAM ballast, which drop it themselves)."""
+    return (r.get("ttfs_load") and r.get("ttfs_s") is not None and r.get("first_prompt_s") is not None
+            and CONFIGS[c["config"]].kind != "disk" and not c.get("ram_gb"))
+
+
 def targets(cells: list[dict], link_gbps: float | None, workers: int = 8) -> str:
-    """One line per RingSwap row under a cap, every target it is held to."""
+    """One line per RingSwap row under a cap, every target it is held to; a TTFS line under it
+    where its prompt paid the load."""
     speeds = speeds_of(cells)
     lines = []
     for c, r in _rows(cells, RINGSWAP):
@@ -200,6 +257,8 @@ def targets(cells: list[dict], link_gbps: float | None, workers: int = 8) -> str
         bits = [b for b in bits if b]
         lines.append(f"- {fmt} cfg {cfg:g} link {link} {c['cap_gib']:g} GiB {c['config']} {r['tokens']:,} tokens "
                      f"{s:.3f} s/step: " + "; ".join(bits))
+        if _has_ttfs(c, r):
+            lines.append(_ttfs_line(cells, c, r))
     return "\n".join(lines)
 
 

@@ -31,6 +31,10 @@
 # compare:a:300:--configs,comfy-0.33-dyn,--caps,0,24) for cells packed into one call.
 # compare-cfg5-12h / compare-cfg1-12h (issue "fast where users are": cfg 5 / 1, 12 GiB, halved link,
 # 7,800 tokens; ComfyUI resident, dynamic VRAM, 0.3.75 native and RingSwap; ~7 / ~4 min).
+# compare-ttfs-12h / compare-ttfs-12h-cold (issue 53: the users' cell, cfg 5, 12 GiB, halved link, 7,800
+# tokens, a 20-step first prompt: TTFS and its wall; ComfyUI dynamic VRAM, RingSwap Patch on 0.33, the
+# Loader and ComfyUI on 0.3.75; warm page cache / --cold; ~7.5 / ~8.5 min). The compare parts run 5-step
+# prompts unless ARGS give --prompt-steps.
 # compare-fp8-12h / compare-fp8-lora (scaled fp8, 12 GiB, halved link, cfg 1, without and with a
 # rank-64 LoRA on every block linear through the stock LoRA loader; ~6 min each; merge the two).
 # compare-compile (ComfyUI's TorchCompileModel, inductor: resident and RingSwap at 24 GiB, ~9 min).
@@ -82,10 +86,11 @@ pytest=(python3 -m pytest -q -p no:cacheprovider tests/comfyui)
 gguf_gpu_tests=(python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui/test_gguf.py tests/comfyui/test_lora_kernels.py -k "gguf or q8_0")
 # the gpu parts: tests/engine and tests/comfyui in two sessions (each folder has its own conftest)
 gpu_tests='python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine; e=$?; python3 -m pytest -q -p no:cacheprovider -m gpu tests/comfyui; c=$?; exit $((e || c))'
-compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s inside the part's limit
+compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s inside the part's limit;
+  # 5-step prompts, as the limits were set for (a --prompt-steps in ARGS comes later and wins)
   local name=$1 secs=$2; shift 2
   part "compare_$name" "$secs" 0.3.75 "" python3 bench/compare.py --budget-s $((secs - 25)) \
-    --json "$OUT/compare_$name.json" --md "$OUT/compare_$name.md" "$@"
+    --json "$OUT/compare_$name.json" --md "$OUT/compare_$name.md" --prompt-steps 5 "$@"
 }
 bench_comfy="${RINGSWAP_COMFY:-0.3.75}"
 for p in "$@"; do
@@ -130,6 +135,10 @@ for p in "$@"; do
                     --json "$OUT/vace_033dyn.json" ;;
     compare-cfg5-12h) compare cfg5_12h 470 --tokens 7800 --cfgs 5 --links halved --caps 12 --configs comfy-0.33-dyn@0 \
                         rs-patch-0.33-dyn comfy-0.33-dyn rs-loader-0.33-dyn comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.3.75 ;;
+    compare-ttfs-12h) compare ttfs_12h 470 --tokens 7800 --cfgs 5 --links halved --prompt-steps 20 \
+                        --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-loader-0.3.75@12 comfy-0.3.75@12 ;;
+    compare-ttfs-12h-cold) compare ttfs_12h_cold 520 --tokens 7800 --cfgs 5 --links halved --prompt-steps 20 --cold \
+                             --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-loader-0.3.75@12 comfy-0.3.75@12 ;;
     compare-cfg1-12h) compare cfg1_12h 230 --tokens 7800 --cfgs 1 --links halved --caps 12 --rerun --rerun-steps 3 \
                         --configs comfy-0.33-dyn@0 rs-patch-0.33-dyn comfy-0.33-dyn ;;
     compare-fp8-12h) compare fp8_12h 420 --formats scaled_fp8 --tokens 7800 --cfgs 1 --links halved --caps 12 \
@@ -182,14 +191,14 @@ for p in "$@"; do
                            --experts 2 --compress auto ;;
     plane-probe) part plane_probe 150 0.3.75 0 python3 bench/probes/plane_probe.py --json "$OUT/plane_probe.json" ;;
     read-probe) part read_probe 120 0.3.75 0 python3 bench/probes/read_probe.py --gb 3 --workers 1 4 8 --json "$OUT/read_probe.json" ;;
-    cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --steps 8 \
+    cfg5-first) compare cfg5_first 230 --tokens 7800 --cfgs 5 --links halved --caps 12 --prompt-steps 9 \
                   --configs comfy-0.3.75@0 rs-patch-0.3.75 ;;
     live-033) part live_033 150 0.33 "" python3 bench/probes/live_overhead.py --json "$OUT/live_033.json" ;;
     gap) part gap 300 0.3.75 0 python3 bench/probes/gap_profile.py --json "$OUT/gap.json" ;;
     gap-033) part gap_033 300 0.33 0 python3 bench/probes/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
