@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from functools import partial
 from typing import Callable, Iterable
 
@@ -26,11 +27,12 @@ from .load_plan import PIN_MODES, EngineFacts, LoadPlan
 from .window_plan import device_bytes
 from .residency import ResidencyPlan
 from .read_ahead import ReadAhead, ReadFn
-from .resident_folds import fold_resident
+from .first_use import FirstUse
+from .resident_folds import fold_once, fold_resident
 from .slot_ring import Slot, SlotRing
 from .coding import Coding, coding_for, keep_coder
 from .plane_coder import PlaneCoder
-from .ram_homes import capture_resident, ensure, lock_early, read_homes, read_progress, settle
+from .ram_homes import capture_resident, ensure, expected_memory, lock_early, read_homes, read_progress, settle
 from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, warm, writes_blocks
 from .stats import RunStats
 
@@ -108,11 +110,13 @@ class BlockSwapEngine:
         `resident_work`: on-land work split for its blocks where they stay resident (dense weights
         made before each call instead of held: swap/resident_folds.py). Returns the residency."""
         return self._attach(device, load_plan.residency, load_plan.pin_memory, owner, on_land, load_plan.ram_blocks,
-                            progress, load_plan.coding.code, load_plan.coding.may_code, resident_work)
+                            progress, load_plan.coding.code, load_plan.coding.may_code, resident_work,
+                            load_plan.stream_first)
 
     def _attach(self, device: torch.device | str, plan: ResidencyPlan, pin_memory: str, owner: object,
                 on_land: OnLand | None, ram_blocks: Iterable[int] | None, progress: Callable[[int, int], None] | None,
-                compress: bool, may_code: bool, resident_work: ResidentWork | None) -> ResidencyPlan:
+                compress: bool, may_code: bool, resident_work: ResidentWork | None,
+                stream_first: bool = False) -> ResidencyPlan:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -130,9 +134,11 @@ class BlockSwapEngine:
             self.detach()
         t0 = time.perf_counter()
         placing = [i for i in plan.resident if self.states[i].device_buffer is None]
+        stream_first = stream_first and self.read_block is not None and not compress
         report = read_progress(self.states, self.pool, keep | set(placing), progress) \
-            if self.read_block is not None else None
-        read_back = ensure(self.states, self.pool, self.read_block, keep, report)
+            if self.read_block is not None and not stream_first else None
+        fills = [i for i in sorted(keep) if not self.pool.has(i)] if stream_first else []
+        read_back = 0 if stream_first else ensure(self.states, self.pool, self.read_block, keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
         att = Attachment(device, plan, "", pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
         att.compress, att.may_code, att.resident_work = compress, may_code, resident_work
@@ -142,24 +148,37 @@ class BlockSwapEngine:
         if compress:
             self.coding.code_homes(self.states, self.pool, homed, self.link_bytes_per_s)
         pinning = lock_early(self.pool, device, pin_memory, homed)
-        read_back = self._place_and_prime(att, placing, file_streamed, read_back, report, pinning)
-        self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
+        read_back = self._place_and_prime(att, placing, file_streamed, read_back, report, pinning, fills, stream_first)
+        if att.first_use is None:
+            self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
         log.debug("attached on %s: %s, %s memory", device, plan.describe(), att.memory)
         return plan
 
     def _place_and_prime(self, att: Attachment, placing: list[int], file_streamed: list[int],
-                         read_back: int, report, pinning) -> int:
+                         read_back: int, report, pinning, fills: list[int], stream_first: bool) -> int:
         """Place the resident blocks, settle the homes, hook the streamed blocks and issue the
-        ring's first copies; on any failure the attachment is taken down again."""
+        ring's first copies; on any failure the attachment is taken down again. `stream_first`:
+        the resident blocks from the file and the homes in `fills` arrive during the first call
+        (swap/first_use.py), which settles at its end."""
         plan, device, on_land = att.plan, att.device, att.on_land
+        later = [i for i in placing if not self.pool.has(i) or i in fills] if stream_first else []
+        now = [i for i in placing if i not in later]
         try:
             if file_streamed or any(not self.pool.has(i) for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.read_buffers, self.block_bytes(),
                                           pin=device.type == "cuda" and att.pin_memory != "off")
-            read_back = placement.place_all(self.states, self.pool, att, placing, read_back, report, self.coding)
+            read_back = placement.place_all(self.states, self.pool, att, now, read_back, report, self.coding)
             if pinning is not None:
                 pinning.join()
-            settle(self.homes, self.states, self.pool, att)
+            if later or fills:
+                placement.reserve(self.states, later, device)
+                att.memory = expected_memory(self.homes, att, plan.streamed)
+                att.first_use = FirstUse(self.states, self.pool, self.read_block, att, later, fills,
+                                         pin=device.type == "cuda" and att.pin_memory != "off",
+                                         placed=partial(self._placed_first, att), guard=self._loading,
+                                         landed=self._settle_first_use)
+            else:
+                settle(self.homes, self.states, self.pool, att)
             if plan.streamed:
                 self._hook_streamed(att)
             self.att = att
@@ -167,7 +186,7 @@ class BlockSwapEngine:
                 self._issue(i, att.ring.victim([]))
             att.copier.take_times()   # resident placement is loading, not a run's copies
             if on_land is not None:
-                att.resident_folds = fold_resident(self.states, placing, plan.resident, on_land,
+                att.resident_folds = fold_resident(self.states, now, plan.resident, on_land,
                                                    att.resident_work, att.copier, device)
             att.stats = att.new_stats()
         except BaseException:
@@ -177,6 +196,35 @@ class BlockSwapEngine:
             self.detach()
             raise
         return read_back
+
+    def _placed_first(self, att: Attachment, block: int) -> None:
+        """A resident block placed during the first call: its placement fold, as fold_resident
+        does for the blocks placed up front."""
+        if att.on_land is not None:
+            fold_once(self.states[block], att.on_land, att.resident_work)
+
+    def _settle_first_use(self) -> None:
+        """After the first call of a load that streamed it: the rest of the blocks in, the slots
+        still waiting for a home landed, then the homes settle as an up-front load's do. The call's
+        copies and waits were the load's: the run's counters start again (calls and the activation
+        peak kept), with what the first call read."""
+        att = self.att
+        for slot in att.ring.slots if att.ring is not None else ():
+            if slot.reading and slot.owner in self.pool.filling:
+                self._home(slot.owner).finish(slot, att)
+        read, seconds = att.first_use.complete()
+        att.first_use = None
+        staged = att.memory == "staged"
+        settle(self.homes, self.states, self.pool, att)
+        if att.memory == "staged" and not staged and att.ring is not None:   # page-locking failed
+            att.ring.add_staging(pin=att.device.type == "cuda")
+        self.read_back = (read, seconds)
+        old = att.stats
+        att.copier.take_times()
+        att.stats = att.new_stats()
+        att.stats.calls, att.stats.activation_peak = old.calls, old.activation_peak
+        att.stats.first_call = (read, seconds, old.read_wait_s)
+        log.debug("first call streamed %.2f GB from the file in %.2f s", read / 1e9, seconds)
 
     def _hook_streamed(self, att: Attachment) -> None:
         """The ring, the coded homes' decode scratch, the streamed blocks' hooks and stand-ins."""
@@ -203,6 +251,9 @@ class BlockSwapEngine:
         att = self.att
         if att is None:
             return
+        if att.first_use is not None:   # given up before the first call ended: unplaced blocks hold nothing
+            fu, att.first_use = att.first_use, None
+            kept = kept - fu.stop()
         try:
             att.copier.synchronize()
             if self.homes.splits_ram and capture_bytes > 0 and not writes_blocks(att.on_land):
@@ -244,6 +295,15 @@ class BlockSwapEngine:
         self._home(block).start(slot, att)
 
     def _before_block(self, block: int) -> None:
+        if self.att.first_use is None:
+            return self._land(block)
+        with self._loading():
+            self.att.first_use.pump()
+            self._land(block)
+
+    def _land(self, block: int) -> None:
+        """Before streamed `block` runs: its slot (fetched now if not planned) landed, its on-land
+        work done, the block bound to the slot."""
         att = self.att
         att.order.observe(block)
         slot = att.ring.slot_of(block)
@@ -270,6 +330,27 @@ class BlockSwapEngine:
             self.observer()
 
     def _after_block(self, block: int) -> None:
+        if self.att.first_use is None:
+            return self._free(block)
+        with self._loading():
+            self._free(block)
+            if self.att.first_use.landed():
+                self._settle_first_use()
+
+    @contextmanager
+    def _loading(self):
+        """While a load's first call lands its blocks: a failure (a read error, a file changed)
+        takes the attachment down before it propagates, so nothing stays half-placed."""
+        try:
+            yield
+        except BaseException:
+            self.end_run()
+            self.detach()
+            raise
+
+    def _free(self, block: int) -> None:
+        """After streamed `block` ran: its slot refilled with the next block not in the ring,
+        unless it is called again soon."""
         att = self.att
         s = self.states[block]
         slot, s.slot = s.slot, None
@@ -300,6 +381,9 @@ class BlockSwapEngine:
     def end_call(self) -> None:
         att = self.att
         if att is not None:
+            if att.first_use is not None:
+                with self._loading():
+                    self._settle_first_use()
             att.copier.mark_call(start=False)
             learned = att.order.finish()
             if learned is not None:
@@ -358,6 +442,11 @@ class BlockSwapEngine:
     @property
     def attached(self) -> bool:
         return self.att is not None
+
+    @property
+    def loading(self) -> bool:
+        """The first call of the attached load is still reading blocks from the file."""
+        return self.att is not None and self.att.first_use is not None
 
     @property
     def device(self) -> torch.device | None:

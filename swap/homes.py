@@ -193,9 +193,35 @@ class FileHome(Home):
         _pack(s, current, self.pool.add(s.index, s.layout.nbytes).flat, maps)
 
 
+class FillingHome(Home):
+    """A raw home still being read from the file (a load whose first call streams: swap/first_use.py):
+    its slot waits for the read, then the home becomes a RamHome and copies from there."""
+
+    def start(self, slot: Slot, att: Attachment) -> None:
+        slot.reading = True
+        slot.ready = None
+
+    def finish(self, slot: Slot, att: Attachment, wait: bool = True) -> None:
+        if not slot.reading:
+            return
+        fill = self.pool.filling[self.s.index]
+        if not wait and not fill.future.done():
+            return
+        if not fill.future.done():
+            t0 = time.perf_counter()
+            fill.start()
+            fill.wait()
+            att.stats.read_wait_s += time.perf_counter() - t0
+        self.pool.adopt(self.s.index)
+        att.stats.bytes_read += self.s.layout.nbytes
+        RamHome(self.s, self.pool).start(slot, att)
+
+
 def home_of(states: list[BlockState], pool: HostPool, block: int, coding: Coding | None = None) -> Home:
     """`block`'s home as the pool records it now (a coded one decodes with `coding`)."""
     s = states[block]
+    if block in pool.filling:
+        return FillingHome(s, pool)
     if block in pool.coded:
         return CodedHome(s, pool, coding)
     if block in pool.blocks:
@@ -235,11 +261,13 @@ def pump(att: Attachment, states: list[BlockState], pool: HostPool, read_on: boo
     going for the file's blocks the call order says come next (as many as there are free
     staging buffers)."""
     readahead = att.readahead
+    for slot in att.ring.slots:
+        if slot.reading and slot.owner in pool.filling:
+            FillingHome(states[slot.owner], pool).finish(slot, att, wait=False)
+        elif slot.reading:
+            _land_read(slot, att, states, wait=False)
     if readahead is None:
         return
-    for slot in att.ring.slots:
-        if slot.reading:
-            _land_read(slot, att, states, wait=False)
     if not read_on:
         return
     owners = set(att.ring.owners())

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from typing import Protocol
+from concurrent.futures import Future
+from typing import Callable, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -172,34 +173,81 @@ def empty_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+class Fill:
+    """A raw home being filled from the file: its buffer, the Future of its read (and pin), and
+    `start`, which submits the read where it is not submitted yet (swap/first_use.py reads homes
+    in call order, a few ahead; a block needed out of order starts its own)."""
+
+    def __init__(self, buffer: HostBuffer, start: Callable[[], None]):
+        self.buffer, self.future, self._start = buffer, Future(), start
+        self.started = False
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            self._start()
+
+    def cancel(self) -> None:
+        """Give the fill up: a read not started never starts; one in flight is waited for."""
+        if not self.started:
+            self.started = True
+            self.future.cancel()
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait for the read, whatever its outcome (before the buffer is freed or given up)."""
+        try:
+            self.future.result()
+        except BaseException:   # noqa: BLE001  (the block loop that needs it raises it)
+            pass
+
+
 class HostPool:
-    """The home of every block: one exact-size host buffer per block (`blocks`), or its coded
-    bytes (`coded`, swap/plane_coder.CodedBlock) where the block is kept coded."""
+    """The home of every block: one exact-size host buffer per block (`blocks`), its coded
+    bytes (`coded`, swap/plane_coder.CodedBlock) where the block is kept coded, or one being
+    read from the file (`filling`, swap/first_use.py) until `adopt` makes it a raw home."""
 
     def __init__(self) -> None:
         self.blocks: dict[int, HostBuffer] = {}
         self.coded: dict = {}   # block -> CodedBlock
+        self.filling: dict[int, Fill] = {}
         self.pin_rate = (0, 0.0)   # (bytes page-locked so far, the seconds that took): the rate
 
     def has(self, index: int) -> bool:
-        """The block has a home in RAM (raw or coded)."""
-        return index in self.blocks or index in self.coded
+        """The block has a home in RAM (raw, coded, or being read into one)."""
+        return index in self.blocks or index in self.coded or index in self.filling
 
     def buffer(self, index: int) -> HostBuffer:
-        coded = self.coded.get(index)
-        return coded.home if coded is not None else self.blocks[index]
+        coded, fill = self.coded.get(index), self.filling.get(index)
+        return coded.home if coded is not None else fill.buffer if fill is not None else self.blocks[index]
 
     def _all(self) -> list[tuple[int, HostBuffer]]:
-        return list(self.blocks.items()) + [(i, c.home) for i, c in self.coded.items()]
+        return list(self.blocks.items()) + [(i, c.home) for i, c in self.coded.items()] \
+            + [(i, f.buffer) for i, f in self.filling.items()]
 
     def add(self, index: int, nbytes: int) -> HostBuffer:
         buf = HostBuffer(nbytes)
         self.blocks[index] = buf
         return buf
 
+    def adopt(self, index: int) -> HostBuffer:
+        """The filled home of `index` becomes a raw home once its read is done (started here where
+        it was not); raises the read's error."""
+        fill = self.filling[index]
+        fill.start()
+        fill.future.result()
+        del self.filling[index]
+        self.blocks[index] = fill.buffer
+        return fill.buffer
+
     def drop(self, index: int) -> None:
-        """Free one block's home, raw and coded (unpinned first; no copy from it may be in flight)."""
-        for buf in (self.blocks.pop(index, None), getattr(self.coded.pop(index, None), "home", None)):
+        """Free one block's home, raw, coded or filling (a read in flight is waited for; unpinned
+        first; no copy from it may be in flight)."""
+        fill = self.filling.pop(index, None)
+        if fill is not None:
+            fill.cancel()
+        for buf in (self.blocks.pop(index, None), getattr(self.coded.pop(index, None), "home", None),
+                    fill.buffer if fill is not None else None):
             if buf is not None:
                 buf.unpin()
 
@@ -250,6 +298,9 @@ class HostPool:
         return sum(b.locked_bytes for _, b in self._all())
 
     def release(self) -> None:
+        for fill in self.filling.values():
+            fill.cancel()
         self.unpin_all()
         self.blocks.clear()
         self.coded.clear()
+        self.filling.clear()

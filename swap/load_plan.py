@@ -143,6 +143,7 @@ class LoadPlan:
     fresh: WindowPlan | None = None
     packed_only: bool = False
     note: str = ""
+    first_read: int = 0   # bytes the first call reads from the file as its blocks arrive (0: none, or read up front)
 
     @property
     def residency(self) -> ResidencyPlan:
@@ -161,19 +162,26 @@ class LoadPlan:
     def keeps(self) -> bool:
         return self.fresh is not None
 
+    @property
+    def stream_first(self) -> bool:
+        """The first call computes as its blocks arrive from the file (swap/first_use.py)."""
+        return self.first_read > 0
+
     def line(self, coding: str | None = None) -> str:
         """The plan line: the window plan, the RAM split and the coding choice (`coding`: its words
         once attached, EngineFacts.coding_line)."""
         coding = self.coding.why if coding is None else coding
+        first = (f"the first call computes as its blocks arrive: {self.first_read / 1e9:.2f} GB to read from the "
+                 "file, each block waiting only for its own bytes" if self.first_read else "")
         return "; ".join([self.window.line()] + ([self.ram.line()] if self.ram is not None else [])
-                         + ([coding] if coding else []))
+                         + ([first] if first else []) + ([coding] if coding else []))
 
     def as_dict(self) -> dict:
         """The plan for the browser and GET /ringswap/plan (JSON-ready): the window plan's fields,
         the RAM split's and coding's, and the plan line."""
         d = self.window.as_dict()
         ram = self.ram
-        d.update(line=self.line(), compress=self.coding.code, compress_why=self.coding.why,
+        d.update(line=self.line(), compress=self.coding.code, compress_why=self.coding.why, first_read=self.first_read,
                  ram_blocks=sorted(ram.ram_blocks) if ram is not None else None,
                  file_blocks=list(ram.file_blocks) if ram is not None else [],
                  home_ram_bytes=ram.ram_bytes if ram is not None else None)
@@ -211,7 +219,9 @@ def _new(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -> LoadPlan
         window = _window(engine, run, settings, copy_bound=True)
     window = replace(window, automatic=not settings.window)
     ram = _split(engine, run, settings, window.residency)
-    return LoadPlan(window, ram, _coding(engine, run, settings, window, ram), settings, packed_only=run.packed_only)
+    coding = _coding(engine, run, settings, window, ram)
+    first = _from_file(engine, window.residency, ram) if engine.own_load and not coding.code else 0
+    return LoadPlan(window, ram, coding, settings, packed_only=run.packed_only, first_read=first)
 
 
 def _window(engine: EngineFacts, run: RunFacts, settings: SwapSettings, copy_bound: bool) -> WindowPlan:
@@ -290,14 +300,26 @@ def place_seconds(engine: EngineFacts, residency: ResidencyPlan, ram: RamSplit |
     their RAM home at the link rate or read from the file at the last read rate, RAM homes to fill
     from the file, and the streamed homes to page-lock."""
     disk = engine.read_bytes_per_s or DISK_GUESS
-    on_device = set(engine.attached.resident) if engine.attached is not None else set()
-    placing = set(residency.resident) - on_device
+    placing = _placing(engine, residency)
     homes, size, has = ram_homes(engine, residency, ram), engine.block_sizes, engine.homes
-    from_file = sum(size[i] for i in placing | homes if i not in has)
+    from_file = _from_file(engine, residency, ram)
     from_ram = sum(size[i] for i in placing if i in has)
     to_pin = sum(size[i] for i in homes & set(residency.streamed) if i not in engine.pinned) \
         if engine.pinned_copies else 0
     return from_file / disk + from_ram / link_bytes_per_s + to_pin * engine.pin_s_per_byte
+
+
+def _placing(engine: EngineFacts, residency: ResidencyPlan) -> set[int]:
+    """`residency`'s resident blocks not on the device now."""
+    on_device = set(engine.attached.resident) if engine.attached is not None else set()
+    return set(residency.resident) - on_device
+
+
+def _from_file(engine: EngineFacts, residency: ResidencyPlan, ram: RamSplit | None) -> int:
+    """Bytes attaching `residency` reads from the file: resident blocks to place and RAM homes to
+    fill that have no home now."""
+    homes, has = ram_homes(engine, residency, ram), engine.homes
+    return sum(engine.block_sizes[i] for i in _placing(engine, residency) | homes if i not in has)
 
 
 def _moved(ram: RamSplit | None, window: WindowPlan) -> RamSplit | None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .coding import Coding
+import torch
+
 from .homes import home_of
-from .host_pool import HostPool
+from .host_pool import HostPool, empty_bytes
 from .staged_copy import PinnedChunks
 from .state import Attachment, BlockState
 
@@ -30,3 +32,12 @@ def place_all(states: list[BlockState], pool: HostPool, att: Attachment, placing
                 report(read_back, 0)
     att.copier.synchronize()
     return read_back
+
+
+def reserve(states: list[BlockState], blocks: list[int], device: torch.device) -> None:
+    """Device buffers for resident `blocks` placed later (swap/first_use.py), allocated now so the
+    load's device memory is what the plan says from the start; each is bound once its bytes land
+    (a packed tensor may read its parts when joined)."""
+    for i in blocks:
+        s = states[i]
+        s.device_buffer = empty_bytes(s.layout.nbytes, device)

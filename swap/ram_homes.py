@@ -157,6 +157,19 @@ def settle(policy: HomePolicy, states: list[BlockState], pool: HostPool, att: At
             att.readahead = None
 
 
+def expected_memory(policy: HomePolicy, att: Attachment, streamed: tuple[int, ...]) -> str:
+    """The copy memory `settle` will find for an attachment whose homes are still being read
+    (swap/first_use.py): page-locked where pinning is on (settle finds "staged" only where it fails)."""
+    from_ram = [i for i in streamed if i in att.ram_homes]
+    if policy.keeps_none or (len(from_ram) < len(streamed) and not from_ram):
+        return "disk"
+    if not from_ram:
+        return "pageable"
+    if att.device.type != "cuda":
+        return "staged"
+    return "pageable" if att.pin_memory == "off" else "pinned"
+
+
 def copy_memory(states: list, pool: HostPool, device: torch.device, streamed: list[int], pin_memory: str) -> str:
     """How the copies of the `streamed` blocks leave their RAM homes: "pinned", "staged" or
     "pageable" (the engine says "disk" where every streamed block comes from the file)."""

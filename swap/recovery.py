@@ -42,13 +42,18 @@ class CallPeak:
                    torch.cuda.max_memory_reserved(self.device) - self.reserved - kept)
 
 
-def _give_up(engine: BlockSwapEngine, on_change: Callable[[int, int], None], message: str) -> None:
+def _take_down(engine: BlockSwapEngine, on_change: Callable[[int, int], None]) -> None:
+    """End the run and detach, reporting the device bytes given back."""
     held = engine.device_bytes()
     engine.end_run()
     engine.detach()
     on_change(held, 0)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _give_up(engine: BlockSwapEngine, on_change: Callable[[int, int], None], message: str) -> None:
+    _take_down(engine, on_change)
     raise torch.OutOfMemoryError(message)
 
 
@@ -65,6 +70,7 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
     engine.begin_call()
     cuda = att.device.type == "cuda"
     first = att.stats.calls == 1
+    loading = engine.device_bytes() if engine.loading else 0   # device bytes of a load still landing
     peak = CallPeak(att.device, att.on_land) if first and cuda and measure_peak else None
     try:
         out = call()
@@ -74,6 +80,12 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
         return out
     except torch.OutOfMemoryError as e:
         reason = str(e).splitlines()[0] if str(e) else "out of memory"
+    except BaseException:
+        if loading:   # a read error or an interrupt while the blocks arrived: nothing stays half-placed
+            if engine.attached:   # (a failed landing took it down already)
+                _take_down(engine, lambda old, new: None)
+            on_change(loading, 0)
+        raise
     # Outside the except block: the failed call's frames (and activations) are freed.
     window, prefetch = att.plan.window, att.plan.prefetch
     where = f"{att.device} at window {window}, prefetch {prefetch}"

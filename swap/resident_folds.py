@@ -54,15 +54,20 @@ class ResidentFolds:
         self.arenas = []
 
 
+def fold_once(s: BlockState, on_land: OnLand, work: ResidentWork | None) -> None:
+    """Fold resident block `s` once, as placed (`work.placed` for `work`'s blocks, else `on_land`),
+    its replacements bound for good."""
+    fold = work.placed if work is not None and s.index in work.blocks else on_land
+    s.binding.bind_some(s.binding.bindable(fold(s.index, s.binding.current()) or {}))
+
+
 def fold_resident(states: list[BlockState], placing: list[int], resident: tuple[int, ...], on_land: OnLand,
                   work: ResidentWork | None, copier: CopyStream, device: torch.device) -> ResidentFolds | None:
     """Fold the blocks just placed, once (`work.placed` for `work`'s blocks, else `on_land`, its
     replacements bound for good), and hook the resident blocks of `work` for their per-call folds,
     given `out=` arenas where `on_land` has a `dense_bytes` method (swap/state.py)."""
     for i in placing:
-        binding = states[i].binding
-        fold = work.placed if work is not None and i in work.blocks else on_land
-        binding.bind_some(binding.bindable(fold(i, binding.current()) or {}))
+        fold_once(states[i], on_land, work)
     per_call = [i for i in resident if work is not None and i in work.blocks]
     if not per_call:
         return None

@@ -53,9 +53,14 @@ class SlotRing:
         for s in self.slots if dense_bytes > 0 else ():
             s.dense = DenseArena(dense_bytes, device)
         if staging:
-            for s in self.slots:
-                s.staging = HostBuffer(nbytes)
-                if pin_staging:
+            self.add_staging(pin_staging)
+
+    def add_staging(self, pin: bool) -> None:
+        """Give every slot a staging buffer (copies from pageable homes go through it)."""
+        for s in self.slots:
+            if s.staging is None:
+                s.staging = HostBuffer(s.flat.numel())
+                if pin:
                     s.staging.pin()
 
     def slot_of(self, block: int) -> Slot | None:

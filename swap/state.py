@@ -113,6 +113,7 @@ class Attachment:
         self.hooks: BlockHooks | None = None
         self.resident_work: ResidentWork | None = None   # on-land work split for resident blocks
         self.resident_folds: HeldFolds | None = None      # their hooks
+        self.first_use = None       # swap/first_use.FirstUse while the first call's blocks arrive
         self.order = CallOrder(plan.streamed, learned)
         self.stats = self.new_stats()
 

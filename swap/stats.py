@@ -34,6 +34,8 @@ class RunStats:
     shrinks: list = field(default_factory=list)      # (from window, to window) after running out of memory
     replans: list = field(default_factory=list)      # ((window, prefetch) from, to) by the first calls' rates
     activation_peak: int = 0   # bytes the first model call allocated beyond the weights (CUDA)
+    first_call: tuple = ()     # (bytes read, seconds, seconds waited): a load's first call streamed them (first_use.py)
+    first_step_s: float = 0.0  # seconds from the prompt's start to the end of its first step (the adapter's clock)
 
     def add_times(self, t: "Times") -> None:
         self.copy_s += t.copy_s
@@ -50,6 +52,7 @@ class RunStats:
                      "calls", "unplanned", "activation_peak", "landings"):
             setattr(fresh, name, getattr(self, name))
         fresh.land_times, fresh.call_times, fresh.land_stalls = self.land_times, self.call_times, self.land_stalls
+        fresh.first_call, fresh.first_step_s = self.first_call, self.first_step_s
         fresh.shrinks = self.shrinks + ([(self.window, fresh.window)] if after_oom else [])
         same = (self.window, self.prefetch) == (fresh.window, fresh.prefetch)   # e.g. only the RAM split changed
         fresh.replans = self.replans + ([] if after_oom or same else [((self.window, self.prefetch),
@@ -105,4 +108,16 @@ class RunStats:
                 + "".join(f"; re-planned by the first calls' rates: window {a[0]} prefetch {a[1]} -> window "
                           f"{b[0]} prefetch {b[1]}" for a, b in self.replans)
                 + (f"; read {self.bytes_read / 1e9:.2f} GB from disk, waited {self.read_wait_s * 1e3:.0f} ms "
-                   "for reads" if self.memory == "disk" or self.bytes_read else ""))
+                   "for reads" if self.memory == "disk" or self.bytes_read else "")
+                + self.first_words())
+
+    def first_words(self) -> str:
+        """The load's first call and first step, where this run had them."""
+        out = ""
+        if self.first_call:
+            read, secs, waited = self.first_call
+            out += (f"; the first call computed as its blocks arrived: {read / 1e9:.2f} GB read from the file in "
+                    f"{secs:.2f} s ({read / max(secs, 1e-9) / 1e9:.1f} GB/s), compute waited {waited:.2f} s for reads")
+        if self.first_step_s:
+            out += f"; first step done {self.first_step_s:.2f} s after the prompt started"
+        return out

@@ -72,7 +72,9 @@ def test_automatic_room_holds_every_streamed_block_and_plan_changes_read_back(wa
     assert engine.read_back[0] == len(resident) * block
     assert set(engine.pool.blocks) == set(range(BLOCKS))
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("RingSwap plan:"))
-    assert f"read {len(resident) * block / 1e9:.2f} GB from the file" in line, line
+    # read as the first call reaches them (swap/first_use.py), said in the plan line
+    assert f"the first call computes as its blocks arrive: {len(resident) * block / 1e9:.2f} GB to read from " \
+        "the file" in line, line
     comfy.model_management.unload_all_models()
     everything = SwapModelPatcher.wrap(base, SwapSettings(BLOCKS, 1, compress="off"))   # all resident: no RAM homes
     assert torch.equal(forward(everything, *inputs(seed=0)), want)

@@ -70,9 +70,10 @@ def run(blocks, x):
     return x
 
 
-def load_plan(residency, *, ram_blocks=None, compress=False, may_code=False, pin_memory="auto"):
+def load_plan(residency, *, ram_blocks=None, compress=False, may_code=False, pin_memory="auto", stream_first=False):
     """A swap.load_plan.LoadPlan that attaches `residency` as given (what a test of the engine
-    needs of a plan: no window planning), with these RAM homes, coding and pinning."""
+    needs of a plan: no window planning), with these RAM homes, coding and pinning; `stream_first`:
+    the first call computes as its blocks arrive from the file (swap/first_use.py)."""
     from ringswap.swap.coding_choice import CodingChoice
     from ringswap.swap.load_plan import LoadPlan, SwapSettings
     from ringswap.swap.ram_split import RamSplit
@@ -80,7 +81,8 @@ def load_plan(residency, *, ram_blocks=None, compress=False, may_code=False, pin
     n = residency.num_blocks
     window = WindowPlan(PlanInputs(block_sizes=(0,) * n, nonblock_bytes=0, free_bytes=0), residency, False)
     ram = None if ram_blocks is None else RamSplit(residency, (0,) * n, frozenset(ram_blocks), 0, "test")
-    return LoadPlan(window, ram, CodingChoice(compress, "", may_code), SwapSettings(0, pin_memory=pin_memory))
+    return LoadPlan(window, ram, CodingChoice(compress, "", may_code), SwapSettings(0, pin_memory=pin_memory),
+                    first_read=int(stream_first))
 
 
 def blocks_on_device(engine) -> list[int]:

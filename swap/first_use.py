@@ -1,0 +1,175 @@
+"""A load's first model call computes as its blocks arrive from the file (`LoadPlan.stream_first`).
+
+Instead of reading every block before the first call, the attach only starts reading: in the
+order a model calls its blocks (list order), at most LOOKAHEAD blocks in flight so that a block
+the call needs soon is never queued behind the whole model. A resident block from the file is
+read into a pinned staging buffer (the attachment's ReadAhead) and copied into its device buffer
+just before it first computes (a hook on it until then); a streamed block's RAM home is read
+into its own buffer (`HostPool.filling`, a FillingHome in swap/homes.py), page-locked on a
+thread of its own, and the block's slot copies from it once read. So every byte is read once,
+into where it stays, and each block waits only for its own bytes. After the first call the
+attachment settles as an up-front load would (`BlockSwapEngine._settle_first_use`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import Callable, ContextManager
+
+from .hooks import BlockHooks
+from .host_pool import Fill, HostBuffer, HostPool
+from .read_ahead import ReadFn
+from .state import Attachment, BlockState
+
+log = logging.getLogger("ringswap.first_use")
+
+LOOKAHEAD = 6   # blocks read at once: enough chunks for 16 readers, few enough to keep call order
+
+
+class FirstUse:
+    """The first call's reads of one attachment: `placing` resident blocks to place from the file
+    and `homes` streamed blocks whose RAM homes are read; `placed(block)` runs once a resident
+    block has landed (its placement fold), `landed()` once every block is in (the streamed blocks'
+    hooks ask `landed` too)."""
+
+    def __init__(self, states: list[BlockState], pool: HostPool, read_block: ReadFn, att: Attachment,
+                 placing: list[int], homes: list[int], pin: bool, placed: Callable[[int], None],
+                 guard: Callable[[], ContextManager] = nullcontext, landed: Callable[[], None] = lambda: None):
+        self.states, self.pool, self.read_block, self.att, self.placed = states, pool, read_block, att, placed
+        self.guard = guard   # around each landing: the engine's (a failure takes the attachment down)
+        self.on_landed = landed   # called once every block is in (the engine settles the attachment)
+        self.todo = deque(sorted(set(placing) | set(homes)))
+        self.placing = set(placing)
+        self.flight: set[int] = set()   # resident blocks whose staging read is submitted, not yet placed
+        self.fills: dict[int, Fill] = {}   # the homes this load reads, by block
+        self.pinner = ThreadPoolExecutor(2, thread_name_prefix="ringswap-pin") if pin else None
+        self.nbytes = sum(states[i].layout.nbytes for i in self.todo)
+        self.t0 = time.perf_counter()
+        for i in homes:   # untouched mappings: no RAM until read into
+            buf = HostBuffer(states[i].layout.nbytes)
+            fill = Fill(buf, lambda i=i, buf=buf: self._read_home(i, buf))
+            pool.filling[i] = self.fills[i] = fill
+        blocks = [s.block for s in states]
+        self.hooks = BlockHooks(blocks, sorted(placing), self._guarded, lambda i: None) if placing else None
+        self.pump()
+
+    # ----- reads ahead -----------------------------------------------------------------
+    def _in_flight(self) -> int:
+        return len(self.flight) + sum(1 for f in self.fills.values() if f.started and not f.future.done())
+
+    def pump(self) -> None:
+        """Submit reads in call order while fewer than LOOKAHEAD blocks are in flight (a resident
+        block waits for a free staging buffer)."""
+        while self.todo and self._in_flight() < LOOKAHEAD:
+            b = self.todo[0]
+            if b in self.fills:   # read into its home (a resident block with one is placed from there)
+                if self.pool.filling.get(b) is self.fills[b]:
+                    self.fills[b].start()
+            elif b in self.placing:
+                if self.att.readahead.request(b, self.states[b].layout.nbytes) is None:
+                    return
+                self.flight.add(b)
+            self.todo.popleft()
+
+    def _read_home(self, block: int, buf: HostBuffer) -> None:
+        """Read `block` into its home `buf`, then page-lock it (on the pinning threads); the
+        Fill's future resolves after both."""
+        fill = self.pool.filling[block]
+        out = fill.future
+
+        def pinned(_: Future) -> None:
+            if out.set_running_or_notify_cancel():
+                out.set_result(None)
+
+        def read_done(f: Future) -> None:
+            if f.exception() is not None:
+                if out.set_running_or_notify_cancel():
+                    out.set_exception(f.exception())
+            elif self.pinner is not None:
+                self.pinner.submit(self.pool.lock, [block]).add_done_callback(pinned)
+            else:
+                pinned(f)
+        try:
+            read = self.read_block(block, buf.flat)
+        except BaseException as e:   # noqa: BLE001  (raised where the block waits for it)
+            if out.set_running_or_notify_cancel():
+                out.set_exception(e)
+            return
+        read.add_done_callback(read_done)
+
+    # ----- resident blocks ---------------------------------------------------------------
+    def _guarded(self, block: int) -> None:
+        with self.guard():
+            self.place(block)
+            if self.landed():
+                self.on_landed()
+
+    def landed(self) -> bool:
+        """Every block of the first call is in: resident ones placed, homes read and adopted."""
+        return not self.placing and not any(f is self.pool.filling.get(i) for i, f in self.fills.items())
+
+    def place(self, block: int) -> None:
+        """Before resident `block` first computes: copy it from its staging buffer (read now
+        where it was not submitted yet) into its device buffer; the compute waits for the copy."""
+        if block not in self.placing:
+            return
+        self.pump()
+        att, s = self.att, self.states[block]
+        nbytes = s.layout.nbytes
+        t0 = time.perf_counter()
+        if block in self.fills:   # its RAM home is read first (home=ram), then copied from there
+            src = self.pool.adopt(block).flat if self.pool.filling.get(block) is self.fills[block] \
+                else self.pool.buffer(block).flat
+            att.stats.read_wait_s += time.perf_counter() - t0
+            ready = att.copier.copy(s.device_buffer, src, None)
+        else:
+            staged = att.readahead.take(block, nbytes)
+            att.stats.read_wait_s += time.perf_counter() - t0
+            ready = att.copier.copy(s.device_buffer, staged.buffer.flat[:nbytes], None)
+            att.readahead.release(staged, ready)
+        s.binding.bind(s.layout.views(s.device_buffer))
+        att.copier.compute_wait(ready)
+        self.placing.discard(block)
+        self.flight.discard(block)
+        if block in self.todo:
+            self.todo.remove(block)
+        self.placed(block)
+        self.pump()
+
+    # ----- the end -----------------------------------------------------------------------
+    def complete(self) -> tuple[int, float]:
+        """After the first call: place the resident blocks it never called and wait for every home
+        (the caller lands the slots still reading); returns (bytes read, seconds since the attach)."""
+        for block in sorted(self.placing):
+            self.place(block)
+        for fill in self.fills.values():
+            fill.start()
+            fill.future.result()
+        self.stop()
+        return self.nbytes, time.perf_counter() - self.t0
+
+    def stop(self) -> set[int]:
+        """Take the first use down (done, or given up by a detach): no more reads start, reads in
+        flight are waited for; a home read in full is kept, one not read is dropped. Returns the
+        resident blocks never placed (their device buffers hold nothing)."""
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+        self.todo.clear()
+        for block, fill in self.fills.items():
+            if self.pool.filling.get(block) is not fill:   # adopted (or dropped) already
+                continue
+            fill.cancel()
+            ok = fill.future.done() and not fill.future.cancelled() and fill.future.exception() is None
+            if ok:
+                self.pool.adopt(block)
+            else:
+                self.pool.drop(block)
+        if self.pinner is not None:
+            self.pinner.shutdown(wait=True)
+        unplaced, self.placing = self.placing, set()
+        self.flight.clear()
+        return unplaced
