@@ -26,6 +26,7 @@ from .layout import BlockLayout
 from .load_plan import PIN_MODES, EngineFacts, LoadPlan
 from .window_plan import device_bytes
 from .residency import ResidencyPlan
+from .file_pages import MappedBlock
 from .read_ahead import ReadAhead, ReadFn
 from .first_use import FirstUse
 from .resident_folds import fold_once, fold_resident
@@ -39,6 +40,7 @@ from .stats import RunStats
 log = logging.getLogger("ringswap.engine")
 
 READ_BUFFERS_MAX = 4
+MapFn = Callable[[int], "MappedBlock | None"]
 
 
 class BlockSwapEngine:
@@ -46,13 +48,14 @@ class BlockSwapEngine:
     `home` setting says (swap/home_policy.py): which blocks keep a RAM home, which read the file."""
 
     def __init__(self, blocks: list[nn.Module], read_block: ReadFn | None = None,
-                 home: str = "ram", disk_workers: int = 4):
+                 home: str = "ram", disk_workers: int = 4, map_block: MapFn | None = None):
         if not blocks:
             raise ValueError("BlockSwapEngine needs at least one block")
         self.homes = home_policy(home)
         if self.homes.from_file and read_block is None:
             raise ValueError(f"home={home!r} needs a read_block function")
         self.read_block = read_block
+        self.map_block = map_block   # a block's home in the file's own pages, or None (swap/file_pages.py)
         # staging buffers for file reads: one is read (by all the reader's threads, a chunk each)
         # while the others land; more would only hold RAM (home=disk: RAM for blocks)
         self.read_buffers = max(2, min(disk_workers, READ_BUFFERS_MAX))
@@ -137,6 +140,7 @@ class BlockSwapEngine:
         stream_first = stream_first and self.read_block is not None and not compress
         report = read_progress(self.states, self.pool, keep | set(placing), progress) \
             if self.read_block is not None and not stream_first else None
+        self._map_homes(keep, compress)
         fills = [i for i in sorted(keep) if not self.pool.has(i)] if stream_first else []
         read_back = 0 if stream_first else ensure(self.states, self.pool, self.read_block, keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
@@ -154,6 +158,16 @@ class BlockSwapEngine:
         log.debug("attached on %s: %s, %s memory", device, plan.describe(), att.memory)
         return plan
 
+    def _map_homes(self, keep: frozenset[int], compress: bool) -> None:
+        """home=auto, raw homes: the blocks to keep in RAM that have no home get one in the file's
+        own pages where the file holds their bytes as they are (nothing read, nothing copied)."""
+        if self.map_block is None or not self.homes.splits_ram or compress:
+            return
+        for i in sorted(keep):
+            mapped = None if self.pool.has(i) else self.map_block(i)
+            if mapped is not None:
+                self.pool.mapped[i] = mapped
+
     def _place_and_prime(self, att: Attachment, placing: list[int], file_streamed: list[int],
                          read_back: int, report, pinning, fills: list[int], stream_first: bool) -> int:
         """Place the resident blocks, settle the homes, hook the streamed blocks and issue the
@@ -168,12 +182,12 @@ class BlockSwapEngine:
                 att.readahead = ReadAhead(self.read_block, self.read_buffers, self.block_bytes(),
                                           pin=device.type == "cuda" and att.pin_memory != "off")
             read_back = placement.place_all(self.states, self.pool, att, now, read_back, report, self.coding)
-            if pinning is not None:
+            if pinning is not None and not (later or fills):
                 pinning.join()
             if later or fills:
                 placement.reserve(self.states, later, device)
                 att.memory = expected_memory(self.homes, att, plan.streamed)
-                att.first_use = FirstUse(self.states, self.pool, self.read_block, att, later, fills,
+                att.first_use = FirstUse(self.states, self.pool, self.read_block, att, later, fills, pinning,
                                          pin=device.type == "cuda" and att.pin_memory != "off",
                                          placed=partial(self._placed_first, att), guard=self._loading,
                                          landed=self._settle_first_use)
@@ -212,7 +226,7 @@ class BlockSwapEngine:
         for slot in att.ring.slots if att.ring is not None else ():
             if slot.reading and slot.owner in self.pool.filling:
                 self._home(slot.owner).finish(slot, att)
-        read, seconds = att.first_use.complete()
+        read, seconds, reads_s, pin_s = att.first_use.complete()
         att.first_use = None
         staged = att.memory == "staged"
         settle(self.homes, self.states, self.pool, att)
@@ -223,7 +237,7 @@ class BlockSwapEngine:
         att.copier.take_times()
         att.stats = att.new_stats()
         att.stats.calls, att.stats.activation_peak = old.calls, old.activation_peak
-        att.stats.first_call = (read, seconds, old.read_wait_s)
+        att.stats.first_call = (read, seconds, old.read_wait_s, reads_s, pin_s)
         log.debug("first call streamed %.2f GB from the file in %.2f s", read / 1e9, seconds)
 
     def _hook_streamed(self, att: Attachment) -> None:
@@ -259,7 +273,8 @@ class BlockSwapEngine:
             if self.homes.splits_ram and capture_bytes > 0 and not writes_blocks(att.on_land):
                 coding = keep_coder(self.coding, self.coder_factory, att)
                 self.coding = self.coding if coding is None else coding
-                capture_resident(self.states, self.pool, att.plan.resident, capture_bytes, coding)
+                capture_resident(self.states, self.pool, self._unmappable(att.plan.resident, coding),
+                                 capture_bytes, coding)
         finally:
             att.release()
             for s in self.states:
@@ -273,6 +288,13 @@ class BlockSwapEngine:
             if self.homes.splits_ram and unpin:   # a model not on the device holds no pinned memory
                 self.pool.unpin_all()
             self.att = None
+
+    def _unmappable(self, blocks: tuple[int, ...], coding) -> tuple[int, ...]:
+        """Those of `blocks` a home in the file's pages cannot hold raw (all of them where homes
+        are kept coded): the rest are mapped again, not captured, on the next attach."""
+        if self.map_block is None or coding is not None:
+            return blocks
+        return tuple(i for i in blocks if self.map_block(i) is None)
 
     def release_home(self) -> None:
         """Free the pinned/host home copies (only when detached and the weights are

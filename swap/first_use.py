@@ -13,6 +13,7 @@ attachment settles as an up-front load would (`BlockSwapEngine._settle_first_use
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,9 +37,10 @@ class FirstUse:
     hooks ask `landed` too)."""
 
     def __init__(self, states: list[BlockState], pool: HostPool, read_block: ReadFn, att: Attachment,
-                 placing: list[int], homes: list[int], pin: bool, placed: Callable[[int], None],
+                 placing: list[int], homes: list[int], pinning: threading.Thread | None, pin: bool, placed: Callable[[int], None],
                  guard: Callable[[], ContextManager] = nullcontext, landed: Callable[[], None] = lambda: None):
         self.states, self.pool, self.read_block, self.att, self.placed = states, pool, read_block, att, placed
+        self.pinning = pinning   # page-locking the homes held already (ram_homes.lock_early), joined at the end
         self.guard = guard   # around each landing: the engine's (a failure takes the attachment down)
         self.on_landed = landed   # called once every block is in (the engine settles the attachment)
         self.todo = deque(sorted(set(placing) | set(homes)))
@@ -48,6 +50,8 @@ class FirstUse:
         self.pinner = ThreadPoolExecutor(2, thread_name_prefix="ringswap-pin") if pin else None
         self.nbytes = sum(states[i].layout.nbytes for i in self.todo)
         self.t0 = time.perf_counter()
+        self.reads_done = self.t0   # when the last read finished
+        self.pin_s = 0.0            # page-locking time, summed over the pinning threads
         for i in homes:   # untouched mappings: no RAM until read into
             buf = HostBuffer(states[i].layout.nbytes)
             fill = Fill(buf, lambda i=i, buf=buf: self._read_home(i, buf))
@@ -85,11 +89,12 @@ class FirstUse:
                 out.set_result(None)
 
         def read_done(f: Future) -> None:
+            self.reads_done = max(self.reads_done, time.perf_counter())
             if f.exception() is not None:
                 if out.set_running_or_notify_cancel():
                     out.set_exception(f.exception())
             elif self.pinner is not None:
-                self.pinner.submit(self.pool.lock, [block]).add_done_callback(pinned)
+                self.pinner.submit(self._pin, block).add_done_callback(pinned)
             else:
                 pinned(f)
         try:
@@ -99,6 +104,11 @@ class FirstUse:
                 out.set_exception(e)
             return
         read.add_done_callback(read_done)
+
+    def _pin(self, block: int) -> None:
+        t0 = time.perf_counter()
+        self.pool.lock([block])
+        self.pin_s += time.perf_counter() - t0
 
     # ----- resident blocks ---------------------------------------------------------------
     def _guarded(self, block: int) -> None:
@@ -140,16 +150,17 @@ class FirstUse:
         self.pump()
 
     # ----- the end -----------------------------------------------------------------------
-    def complete(self) -> tuple[int, float]:
+    def complete(self) -> tuple[int, float, float, float]:
         """After the first call: place the resident blocks it never called and wait for every home
-        (the caller lands the slots still reading); returns (bytes read, seconds since the attach)."""
+        (the caller lands the slots still reading); returns (bytes read, seconds since the attach,
+        seconds until the last read was done, page-locking seconds)."""
         for block in sorted(self.placing):
             self.place(block)
         for fill in self.fills.values():
             fill.start()
             fill.future.result()
         self.stop()
-        return self.nbytes, time.perf_counter() - self.t0
+        return self.nbytes, time.perf_counter() - self.t0, self.reads_done - self.t0, self.pin_s
 
     def stop(self) -> set[int]:
         """Take the first use down (done, or given up by a detach): no more reads start, reads in
@@ -170,6 +181,9 @@ class FirstUse:
                 self.pool.drop(block)
         if self.pinner is not None:
             self.pinner.shutdown(wait=True)
+        if self.pinning is not None:
+            self.pinning.join()
+            self.pinning = None
         unplaced, self.placing = self.placing, set()
         self.flight.clear()
         return unplaced

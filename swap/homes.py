@@ -1,8 +1,9 @@
 """Block homes: where one block's weights live off the device, and how they reach it.
 
 A block's home is derived from the HostPool, the one record of what host RAM holds
-(`home_of`): a raw exact-size buffer (RamHome), its coded bytes (CodedHome, swap/coding.py), or
-neither, so it is read from the file through the attachment's ReadAhead (FileHome). Each home
+(`home_of`): a raw exact-size buffer (RamHome), its coded bytes (CodedHome, swap/coding.py), the
+file's own pages (MappedHome, swap/file_pages.py), a buffer still being read (FillingHome,
+swap/first_use.py), or none, so it is read from the file through the attachment's ReadAhead (FileHome). Each home
 lands its block in a ring slot (`start`, then `finish` before the block runs), places it as a
 resident block (`place`), drops itself at settle where the attachment keeps no RAM home, and
 captures (makes a RAM home from the weights held elsewhere). The block loop and placement ask
@@ -193,6 +194,27 @@ class FileHome(Home):
         _pack(s, current, self.pool.add(s.index, s.layout.nbytes).flat, maps)
 
 
+class MappedHome(Home):
+    """The block's bytes in the file's own pages (swap/file_pages.py): copied piece by piece
+    (its tensors) into the slot or resident buffer; nothing is read."""
+
+    def __init__(self, s: BlockState, pool: HostPool):
+        super().__init__(s, pool)
+        self.mapped = pool.mapped[s.index]
+
+    def start(self, slot: Slot, att: Attachment) -> None:
+        slot.reading = False
+        flat = slot.flat
+        slot.ready = att.copier.enqueue(lambda: self.mapped.copy_into(flat), slot.free)
+
+    def _place(self, out: torch.Tensor, att: Attachment, chunks: PinnedChunks) -> int:
+        att.copier.enqueue(lambda: self.mapped.copy_into(out), None)
+        return 0
+
+    def capture(self, maps: FileMaps) -> None:
+        """The file's pages are its home: nothing to capture."""
+
+
 class FillingHome(Home):
     """A raw home still being read from the file (a load whose first call streams: swap/first_use.py):
     its slot waits for the read, then the home becomes a RamHome and copies from there."""
@@ -222,6 +244,8 @@ def home_of(states: list[BlockState], pool: HostPool, block: int, coding: Coding
     s = states[block]
     if block in pool.filling:
         return FillingHome(s, pool)
+    if block in pool.mapped:
+        return MappedHome(s, pool)
     if block in pool.coded:
         return CodedHome(s, pool, coding)
     if block in pool.blocks:

@@ -115,6 +115,30 @@ class mapped_allocations(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+REGISTER_READ_ONLY = 8   # cudaHostRegisterReadOnly: pages the process may not write (a file's, mapped)
+
+
+def register(ptr: int, size: int, flags: int = 0):
+    """Page-lock `size` bytes at `ptr` in place (cudaHostRegister), counted in the pin budget:
+    the budget it was counted in (None: no budget), or False where over the budget or refused."""
+    if _budget is not None and not _budget.reserve(ptr, size):
+        return False
+    err = torch.cuda.cudart().cudaHostRegister(ptr, size, flags)
+    if int(err) != 0:
+        _clear_cuda_error()
+        if _budget is not None:
+            _budget.release(ptr)
+        return False
+    return _budget
+
+
+def unregister(ptr: int, budget) -> None:
+    """Undo `register` (its returned budget)."""
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+    if budget is not None:
+        budget.release(ptr)
+
+
 class HostBuffer:
     """One page-aligned host byte buffer, optionally page-locked, in a memory mapping of
     its own (`mapped_bytes`): freeing it returns it to the OS at once."""
@@ -136,25 +160,14 @@ class HostBuffer:
             return True
         if not torch.cuda.is_available():
             return False
-        ptr, size = self._region.data_ptr(), self._region.numel()
-        if _budget is not None and not _budget.reserve(ptr, size):
-            return False
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-        if int(err) != 0:
-            _clear_cuda_error()
-            if _budget is not None:
-                _budget.release(ptr)
-            return False
-        self.pinned = True
-        self._budget = _budget
-        return True
+        self._budget = register(self._region.data_ptr(), self._region.numel())
+        self.pinned = self._budget is not False
+        return self.pinned
 
     def unpin(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._region.data_ptr())
+            unregister(self._region.data_ptr(), self._budget)
             self.pinned = False
-            if self._budget is not None:
-                self._budget.release(self._region.data_ptr())
 
     def __del__(self):
         try:
@@ -211,19 +224,22 @@ class HostPool:
         self.blocks: dict[int, HostBuffer] = {}
         self.coded: dict = {}   # block -> CodedBlock
         self.filling: dict[int, Fill] = {}
+        self.mapped: dict = {}   # block -> swap/file_pages.MappedBlock: its bytes are the file's own pages
         self.pin_rate = (0, 0.0)   # (bytes page-locked so far, the seconds that took): the rate
 
     def has(self, index: int) -> bool:
         """The block has a home in RAM (raw, coded, or being read into one)."""
-        return index in self.blocks or index in self.coded or index in self.filling
+        return index in self.blocks or index in self.coded or index in self.filling or index in self.mapped
 
     def buffer(self, index: int) -> HostBuffer:
-        coded, fill = self.coded.get(index), self.filling.get(index)
-        return coded.home if coded is not None else fill.buffer if fill is not None else self.blocks[index]
+        """The block's home memory (a mapped home offers the same pin, unpin, pinned and nbytes)."""
+        coded, fill, mapped = self.coded.get(index), self.filling.get(index), self.mapped.get(index)
+        return coded.home if coded is not None else fill.buffer if fill is not None else \
+            mapped if mapped is not None else self.blocks[index]
 
     def _all(self) -> list[tuple[int, HostBuffer]]:
         return list(self.blocks.items()) + [(i, c.home) for i, c in self.coded.items()] \
-            + [(i, f.buffer) for i, f in self.filling.items()]
+            + [(i, f.buffer) for i, f in self.filling.items()] + list(self.mapped.items())
 
     def add(self, index: int, nbytes: int) -> HostBuffer:
         buf = HostBuffer(nbytes)
@@ -247,7 +263,7 @@ class HostPool:
         if fill is not None:
             fill.cancel()
         for buf in (self.blocks.pop(index, None), getattr(self.coded.pop(index, None), "home", None),
-                    fill.buffer if fill is not None else None):
+                    fill.buffer if fill is not None else None, self.mapped.pop(index, None)):
             if buf is not None:
                 buf.unpin()
 
@@ -304,3 +320,4 @@ class HostPool:
         self.blocks.clear()
         self.coded.clear()
         self.filling.clear()
+        self.mapped.clear()

@@ -171,8 +171,8 @@ class LoadPlan:
         """The plan line: the window plan, the RAM split and the coding choice (`coding`: its words
         once attached, EngineFacts.coding_line)."""
         coding = self.coding.why if coding is None else coding
-        first = (f"the first call computes as its blocks arrive: {self.first_read / 1e9:.2f} GB to read from the "
-                 "file, each block waiting only for its own bytes" if self.first_read else "")
+        first = (f"the first call computes as its blocks arrive: {self.first_read / 1e9:.2f} GB from the file, "
+                 "each block waiting only for its own bytes" if self.first_read else "")
         return "; ".join([self.window.line()] + ([self.ram.line()] if self.ram is not None else [])
                          + ([first] if first else []) + ([coding] if coding else []))
 
@@ -220,7 +220,9 @@ def _new(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -> LoadPlan
     window = replace(window, automatic=not settings.window)
     ram = _split(engine, run, settings, window.residency)
     coding = _coding(engine, run, settings, window, ram)
-    first = _from_file(engine, window.residency, ram) if engine.own_load and not coding.code else 0
+    # home=ram reads every home when the model is loaded, before any plan: nothing left for the call
+    streams = engine.own_load and not coding.code and not engine.policy.every_block
+    first = _from_file(engine, window.residency, ram) if streams else 0
     return LoadPlan(window, ram, coding, settings, packed_only=run.packed_only, first_read=first)
 
 

@@ -34,7 +34,7 @@ class RunStats:
     shrinks: list = field(default_factory=list)      # (from window, to window) after running out of memory
     replans: list = field(default_factory=list)      # ((window, prefetch) from, to) by the first calls' rates
     activation_peak: int = 0   # bytes the first model call allocated beyond the weights (CUDA)
-    first_call: tuple = ()     # (bytes read, seconds, seconds waited): a load's first call streamed them (first_use.py)
+    first_call: tuple = ()     # (bytes read, seconds, seconds waited, reads done after s, pin s): a load's first call (first_use.py)
     first_step_s: float = 0.0  # seconds from the prompt's start to the end of its first step (the adapter's clock)
 
     def add_times(self, t: "Times") -> None:
@@ -115,9 +115,11 @@ class RunStats:
         """The load's first call and first step, where this run had them."""
         out = ""
         if self.first_call:
-            read, secs, waited = self.first_call
+            read, secs, waited, reads_s, pin_s = self.first_call
+            rate = f" ({read / reads_s / 1e9:.1f} GB/s)" if reads_s > 0.01 else ""
             out += (f"; the first call computed as its blocks arrived: {read / 1e9:.2f} GB read from the file in "
-                    f"{secs:.2f} s ({read / max(secs, 1e-9) / 1e9:.1f} GB/s), compute waited {waited:.2f} s for reads")
+                    f"{reads_s:.2f} s{rate}, homes page-locked in {pin_s:.2f} s, all in {secs:.2f} s, compute "
+                    f"waited {waited:.2f} s for reads")
         if self.first_step_s:
             out += f"; first step done {self.first_step_s:.2f} s after the prompt started"
         return out

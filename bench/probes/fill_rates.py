@@ -100,6 +100,56 @@ def pin_rate(bufs, threads: int) -> float:
     return n / dt / 1e9
 
 
+def windowed(path: str, n: int, block: int, workers: int, pin_threads: int, lookahead: int = 6) -> dict:
+    """As a load's first call reads (swap/first_use.py): blocks in order into fresh HostBuffers, at
+    most `lookahead` in flight, each page-locked on `pin_threads` threads once read; seconds and the
+    time spent in page-locking."""
+    from concurrent.futures import ThreadPoolExecutor
+    from ringswap.loaders.model_file.range_reader import RangeReader
+    from ringswap.swap.host_pool import HostBuffer
+    pinner = ThreadPoolExecutor(max(1, pin_threads))
+    pin_s = [0.0]
+
+    def pin(b):
+        t = time.perf_counter()
+        b.pin()
+        pin_s[0] += time.perf_counter() - t
+    bufs, flight = [], []
+    with RangeReader(path, workers=workers) as r:
+        t0 = time.perf_counter()
+        for i in range(n):
+            while len(flight) >= lookahead:
+                flight.pop(0).result()
+            b = HostBuffer(block)
+            bufs.append(b)
+            fut = r.read_into(b.flat, [(i * block, block, 0)])
+            if pin_threads:
+                fut = pinner.submit(lambda f=fut, b=b: (f.result(), pin(b)))
+            flight.append(fut)
+        for f in flight:
+            f.result()
+        dt = time.perf_counter() - t0
+    pinner.shutdown()
+    for b in bufs:
+        b.unpin()
+    return {"seconds": dt, "pin_s": pin_s[0]}
+
+
+def memory_facts() -> dict:
+    out = {}
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.high"):
+        try:
+            out[os.path.basename(f)] = open(f).read().strip()
+        except OSError:
+            pass
+    try:
+        info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        out.update({k: info[k].strip() for k in ("MemTotal", "MemFree", "Cached", "Mlocked") if k in info})
+    except OSError:
+        pass
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=12.0)
@@ -107,6 +157,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/ringswap-bench")
     ap.add_argument("--workers", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--windowed", action="store_true", help="also the first call's windowed read + pin")
+    ap.add_argument("--only-windowed", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     path = os.path.join(a.dir, "fill_rates.bin")
@@ -124,13 +176,29 @@ def main() -> None:
         print(json.dumps(r), flush=True)
 
     out["warm_gbps"] = warm(path)
-    for w in a.workers:
+    out["rewarm_gbps"] = warm(path)   # a second read: the page cache kept it?
+    out["memory"] = memory_facts()
+    print(json.dumps({k: out[k] for k in ("warm_gbps", "rewarm_gbps", "memory")}), flush=True)
+    if torch.cuda.is_available() and a.windowed:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from link_load import LinkLoad
+        for load in (False, True):
+            with LinkLoad(load):
+                for pins in (0, 2):
+                    w = windowed(path, n, block, 16, pins)
+                    row(f"windowed 6, pin threads {pins}, link load {load}", w["seconds"], workers=16, pin_s=w["pin_s"])
+        out["after_windowed_gbps"] = warm(path)
+        out["memory_after"] = memory_facts()
+    for w in ([] if a.only_windowed else a.workers):
         for kind, drop in (("fresh", True), ("fresh", False), ("huge", False)):
             bufs = fresh(n, block, kind)
             row(f"{kind} drop={drop}", fill(path, bufs, block, w, drop), workers=w)
             del bufs
             if drop:
                 warm(path)
+    if a.only_windowed:
+        print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
+        return
     from ringswap.swap.host_pool import HostBuffer
     hb = [HostBuffer(block) for _ in range(n)]
     t1 = time.perf_counter()

@@ -111,7 +111,7 @@ def load_swapped_base(path: str, home: str = "ram", disk_workers: int = 0,
         else:
             weakref.finalize(dm, reads.close)
         engine = BlockSwapEngine(blocks, read_block=reads.read_block if reads else None, home=home,
-                                 disk_workers=reader.workers)
+                                 disk_workers=reader.workers, map_block=reads.mapped if reads else None)
         SwapState.install(dm, engine)
         t0 = time.perf_counter()
         nbytes = engine.fill_home(progress)   # home=ram with the file to read: every block into RAM now

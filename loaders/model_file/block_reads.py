@@ -8,6 +8,8 @@ read into a small temporary buffer and cast, exactly as ComfyUI's load_state_dic
 would. A scalar the file lacks (e.g. scaled-fp8 `scale_input`) keeps the value ComfyUI's
 op gave it, as with ComfyUI's non-strict loading; any other missing tensor is an error.
 The buffers for casts are memory mappings of their own (swap.host_pool.mapped_bytes), not malloc's.
+`mapped` gives a block whose tensors are all the file's bytes as they are a home in the file's own
+pages instead (home=auto: nothing read, swap/file_pages.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 from torch import nn
 
+from ...swap.file_pages import FilePages, MappedBlock
 from ...swap.host_pool import mapped_bytes
 from ...swap.layout import BlockBinding, BlockLayout
 from .range_reader import RangeReader
@@ -87,6 +90,21 @@ class BlockReads:
             if any(self.cast) else None
         self._large_cast = threading.Lock()   # guards _large_buf: large casts one at a time
         self._large_buf = mapped_bytes(0)
+        self._nbytes = [BlockLayout.of(b).nbytes for b in blocks]
+        self._pages: FilePages | None = None
+        self._mapped: dict[int, MappedBlock] = {}
+
+    def mapped(self, block: int) -> MappedBlock | None:
+        """The block's home in the file's own pages (swap/file_pages.py), or None where the block
+        holds a tensor the file does not give as it is (a cast, a value the file lacks)."""
+        if self.cast[block] or self.constants[block] or not self.direct[block]:
+            return None
+        home = self._mapped.get(block)
+        if home is None:
+            if self._pages is None:
+                self._pages = FilePages(self.index.path)
+            home = self._mapped[block] = MappedBlock(self._pages, self.direct[block], self._nbytes[block])
+        return home
 
     def read_block(self, block: int, dest: torch.Tensor) -> Future:
         """Fill `dest` (uint8, the block's layout) from the file; a Future of bytes read."""
@@ -130,3 +148,8 @@ class BlockReads:
         if self._cast_pool is not None:
             self._cast_pool.shutdown(wait=True)
         self.reader.close()
+        for home in self._mapped.values():
+            home.unpin()
+        self._mapped = {}
+        if self._pages is not None:
+            self._pages.close()

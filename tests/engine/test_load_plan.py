@@ -152,8 +152,8 @@ def test_compress_on_without_cuda_is_a_clear_error_and_auto_gives_a_note():
     auto = plan_load(engine(), run(device="cpu"), SwapSettings(3))
     assert not auto.coding.code and not auto.coding.may_code and auto.coding.why == ""
     assert auto.coding.note == "RingSwap compress auto: off (there is no CUDA device to decode on)"
-    assert auto.line() == auto.window.line() + ("; the first call computes as its blocks arrive: 5.00 GB to read "
-                                                "from the file, each block waiting only for its own bytes")
+    assert auto.line() == auto.window.line() + ("; the first call computes as its blocks arrive: 5.00 GB from "
+                                                "the file, each block waiting only for its own bytes")
     shown = plan_load(engine(), run(device="cpu", preview=True), SwapSettings(3, compress="on"))
     assert not shown.coding.code and shown.coding.why == \
         "compress='on' but there is no CUDA device to decode on: a run stops with this error"

@@ -1,0 +1,94 @@
+"""Homes in the file's own pages (swap/file_pages.py): a block whose tensors are the file's bytes
+as they are is copied from a read-only mapping, piece by piece, into its layout; nothing is read.
+Exact at every window, with the first call streaming; on CUDA the pages are page-locked in place
+(two neighbours never register the same page) and given back at detach."""
+import os
+
+import pytest
+import torch
+
+from ringswap.swap import BlockSwapEngine, ResidencyPlan
+from ringswap.swap.file_pages import PAGE, FilePages, MappedBlock
+from ringswap.swap.layout import BlockBinding, BlockLayout
+
+from toy_blocks import N, FileLike, load_plan, make_blocks, run
+
+X = torch.randn(4, 32)
+
+
+def write_file(blocks, path, gap=3):
+    """Each block's tensors written in reverse order at odd offsets (not the layout's), the
+    blocks back to back so that neighbours share pages; returns map_block over a FilePages."""
+    parts, pos, raw = [], 5, bytearray(5)
+    for b in blocks:
+        layout = BlockLayout.of(b)
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8)
+        layout.pack(BlockBinding(b, layout).current(), flat)
+        mine = []
+        for e in reversed(layout.entries):
+            raw += bytes(gap) + flat[e.offset:e.offset + e.nbytes].numpy().tobytes()
+            mine.append((pos + gap, e.nbytes, e.offset))
+            pos += gap + e.nbytes
+        parts.append((mine, layout.nbytes))
+    with open(path, "wb") as f:
+        f.write(raw)
+    pages = FilePages(path)
+    homes = [MappedBlock(pages, p, n) for p, n in parts]
+    return lambda i: homes[i]
+
+
+@pytest.mark.parametrize("stream_first", [False, True])
+def test_mapped_homes_are_exact_and_read_nothing(tmp_path, stream_first):
+    ref = run(make_blocks(), X)
+    for window in (1, 3, N):
+        for prefetch in (0, 1, 2):
+            blocks = make_blocks()
+            map_block = write_file(blocks, os.path.join(tmp_path, f"m{window}{prefetch}.bin"))
+            src = FileLike(blocks)
+            engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2, map_block=map_block)
+            plan = ResidencyPlan.make(N, window, prefetch)
+            engine.attach("cpu", load_plan(plan, stream_first=stream_first))
+            for _ in range(3):
+                assert torch.equal(run(blocks, X), ref), (window, prefetch, stream_first)
+            assert set(engine.pool.mapped) == set(plan.streamed) and not engine.pool.blocks
+            assert src.reads == len(plan.resident)   # only the resident blocks were read (into their buffers)
+            engine.detach()
+            assert set(engine.pool.mapped) == set(plan.streamed)   # kept: the next attach reads nothing
+            engine.attach("cpu", load_plan(ResidencyPlan.make(N, 1, 1)))
+            assert torch.equal(run(blocks, X), ref)
+            assert src.reads == len(plan.resident) and set(engine.pool.mapped) == set(range(N))
+            engine.detach()
+            engine.release_home()
+
+
+def test_neighbours_never_claim_the_same_page(tmp_path):
+    path = os.path.join(tmp_path, "p.bin")
+    with open(path, "wb") as f:
+        f.write(bytes(10 * PAGE))
+    pages = FilePages(path)
+    assert pages.claim(100, 3 * PAGE + 5) == (0, 4 * PAGE)
+    assert pages.claim(3 * PAGE + 5, 6 * PAGE) == (4 * PAGE, 6 * PAGE)   # page 3 is taken: starts after it
+    assert pages.claim(5 * PAGE, 5 * PAGE + 10)[0] >= pages.claim(5 * PAGE, 5 * PAGE + 10)[1]   # all taken
+    pages.release(0)
+    assert pages.claim(0, PAGE) == (0, PAGE)
+    home = MappedBlock(pages, [(10, 100, 0), (PAGE - 8, 20, 100)], 120)
+    home._range, home.pinned = (PAGE, 2 * PAGE), True   # as if registered from page 1 on
+    assert home.pieces() == [(10, 100, 0), (PAGE - 8, 8, 100), (PAGE, 12, 108)]
+    home.pinned = False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mapped_homes_on_cuda_are_page_locked_and_exact(tmp_path):
+    ref = run(make_blocks().cuda(), X.cuda())
+    blocks = make_blocks()
+    map_block = write_file(blocks, os.path.join(tmp_path, "c.bin"))
+    engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home="auto", disk_workers=2,
+                             map_block=map_block)
+    engine.attach("cuda", load_plan(ResidencyPlan.make(N, 2, 1), stream_first=True))
+    for _ in range(3):
+        assert torch.equal(run(blocks, X.cuda()), ref)
+    assert engine.memory == "pinned" and all(engine.pool.mapped[i].pinned for i in engine.plan.streamed)
+    engine.detach()
+    assert engine.pool.pinned_bytes == 0
+    engine.release_home()
