@@ -140,7 +140,7 @@ class BlockSwapEngine:
         stream_first = stream_first and self.read_block is not None and not compress
         report = read_progress(self.states, self.pool, keep | set(placing), progress) \
             if self.read_block is not None and not stream_first else None
-        self._map_homes(keep, compress)
+        self._map_homes(keep | (frozenset(placing) if stream_first else frozenset()), compress)
         fills = [i for i in sorted(keep) if not self.pool.has(i)] if stream_first else []
         read_back = 0 if stream_first else ensure(self.states, self.pool, self.read_block, keep, report)
         file_streamed = [i for i in plan.streamed if i not in keep]
@@ -159,8 +159,9 @@ class BlockSwapEngine:
         return plan
 
     def _map_homes(self, keep: frozenset[int], compress: bool) -> None:
-        """home=auto, raw homes: the blocks to keep in RAM that have no home get one in the file's
-        own pages where the file holds their bytes as they are (nothing read, nothing copied)."""
+        """home=auto, raw homes: the blocks to keep in RAM (and, for a first call that streams, the
+        resident blocks to place) that have no home get one in the file's own pages where the file
+        holds their bytes as they are (nothing read, nothing copied; a resident block's goes at settle)."""
         if self.map_block is None or not self.homes.splits_ram or compress:
             return
         for i in sorted(keep):
@@ -175,7 +176,8 @@ class BlockSwapEngine:
         the resident blocks from the file and the homes in `fills` arrive during the first call
         (swap/first_use.py), which settles at its end."""
         plan, device, on_land = att.plan, att.device, att.on_land
-        later = [i for i in placing if not self.pool.has(i) or i in fills] if stream_first else []
+        later = [i for i in placing if not self.pool.has(i) or i in fills or i in self.pool.mapped] \
+            if stream_first else []
         now = [i for i in placing if i not in later]
         try:
             if file_streamed or any(not self.pool.has(i) for i in placing):
@@ -219,25 +221,21 @@ class BlockSwapEngine:
 
     def _settle_first_use(self) -> None:
         """After the first call of a load that streamed it: the rest of the blocks in, the slots
-        still waiting for a home landed, then the homes settle as an up-front load's do. The call's
-        copies and waits were the load's: the run's counters start again (calls and the activation
-        peak kept), with what the first call read."""
+        still waiting for a home landed, then the homes settle as an up-front load's do; the run's
+        stats note what the first call read (its placement copies were not timed as the run's)."""
         att = self.att
         for slot in att.ring.slots if att.ring is not None else ():
             if slot.reading and slot.owner in self.pool.filling:
                 self._home(slot.owner).finish(slot, att)
         read, seconds, reads_s, pin_s = att.first_use.complete()
         att.first_use = None
+        att.copier.synchronize()   # settle may unpin what the copies read
         staged = att.memory == "staged"
         settle(self.homes, self.states, self.pool, att)
         if att.memory == "staged" and not staged and att.ring is not None:   # page-locking failed
             att.ring.add_staging(pin=att.device.type == "cuda")
         self.read_back = (read, seconds)
-        old = att.stats
-        att.copier.take_times()
-        att.stats = att.new_stats()
-        att.stats.calls, att.stats.activation_peak = old.calls, old.activation_peak
-        att.stats.first_call = (read, seconds, old.read_wait_s, reads_s, pin_s)
+        att.stats.first_call = (read, seconds, att.stats.read_wait_s, reads_s, pin_s)
         log.debug("first call streamed %.2f GB from the file in %.2f s", read / 1e9, seconds)
 
     def _hook_streamed(self, att: Attachment) -> None:

@@ -6,16 +6,16 @@ already in the page cache holds those bytes: mapped, a block's tensors are views
 cudaHostRegister (read-only) page-locks them at 26 GB/s, after which they copy to the GPU at the
 link's rate (bench/probes/map_rates.py). So a block whose tensors are the file's bytes as they are
 (no cast, nothing missing) gets a MappedBlock as its home: nothing is read, nothing is copied in
-RAM, and the pages are the ones ComfyUI's own mapping of the file uses too. A home's page range
-is registered apart from its neighbours' (two registrations may not share a page): the bytes of
-a page it shares are copied as pageable memory. Written here: no library page-locks a file
+RAM, and the pages are the ones ComfyUI's own mapping of the file uses too. A home registers only
+the pages wholly inside its bytes (two registrations may not share a page, and a copy may not span
+registered and unregistered memory): the few bytes in the pages it shares with its neighbours are
+copied as pageable memory, in pieces of their own. Written here: no library page-locks a file
 mapping. Linux and Windows (mmap.ACCESS_READ); where CUDA refuses the registration the home stays
 pageable and its copies are synchronous.
 """
 from __future__ import annotations
 
 import mmap
-import threading
 import warnings
 
 import torch
@@ -26,7 +26,7 @@ PAGE = mmap.PAGESIZE
 
 
 class FilePages:
-    """One model file mapped read-only, and the page ranges its homes have registered."""
+    """One model file mapped read-only."""
 
     def __init__(self, path: str):
         self.path = path
@@ -35,26 +35,6 @@ class FilePages:
         with warnings.catch_warnings():   # read-only memory: nothing here writes it
             warnings.simplefilter("ignore", UserWarning)
             self.data = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.lock = threading.Lock()
-        self.taken: dict[int, int] = {}   # registered start page -> end page
-
-    def claim(self, start: int, end: int) -> tuple[int, int]:
-        """The pages of [start, end) no other home registered: [a, b) page-aligned (a >= b: none)."""
-        a, b = start // PAGE * PAGE, (end + PAGE - 1) // PAGE * PAGE
-        with self.lock:
-            for s, e in self.taken.items():
-                if s < b and a < e:   # overlaps a registered range: give up the shared pages
-                    if s <= a:
-                        a = e
-                    else:
-                        b = s
-            if a < b:
-                self.taken[a] = b
-        return a, b
-
-    def release(self, a: int) -> None:
-        with self.lock:
-            self.taken.pop(a, None)
 
     def close(self) -> None:
         self.data = None
@@ -86,12 +66,11 @@ class MappedBlock:
             return True
         if not torch.cuda.is_available():
             return False
-        a, b = self.pages.claim(self.start, self.end)
+        a, b = (self.start + PAGE - 1) // PAGE * PAGE, self.end // PAGE * PAGE   # its own whole pages
         if a >= b:
             return False
         budget = register(self.pages.data[a:b].data_ptr(), b - a, REGISTER_READ_ONLY)
         if budget is False:
-            self.pages.release(a)
             return False
         self._range, self._budget, self.pinned = (a, b), budget, True
         return True
@@ -100,7 +79,6 @@ class MappedBlock:
         if self.pinned:
             a, _ = self._range
             unregister(self.pages.data[a:].data_ptr(), self._budget)
-            self.pages.release(a)
             self.pinned, self._range = False, (0, 0)
 
     def pieces(self) -> list[tuple[int, int, int]]:

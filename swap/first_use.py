@@ -48,7 +48,8 @@ class FirstUse:
         self.flight: set[int] = set()   # resident blocks whose staging read is submitted, not yet placed
         self.fills: dict[int, Fill] = {}   # the homes this load reads, by block
         self.pinner = ThreadPoolExecutor(2, thread_name_prefix="ringswap-pin") if pin else None
-        self.nbytes = sum(states[i].layout.nbytes for i in self.todo)
+        self.nbytes = sum(states[i].layout.nbytes for i in self.todo if i not in pool.mapped)   # read
+        self.pins: dict[int, Future] = {}   # resident blocks placed from the file's pages: page-locking them
         self.t0 = time.perf_counter()
         self.reads_done = self.t0   # when the last read finished
         self.pin_s = 0.0            # page-locking time, summed over the pinning threads
@@ -72,6 +73,10 @@ class FirstUse:
             if b in self.fills:   # read into its home (a resident block with one is placed from there)
                 if self.pool.filling.get(b) is self.fills[b]:
                     self.fills[b].start()
+            elif b in self.placing and b in self.pool.mapped:   # placed from the file's pages
+                if self.pinner is not None:
+                    self.pins[b] = self.pinner.submit(self._pin, b)
+                self.flight.add(b)
             elif b in self.placing:
                 if self.att.readahead.request(b, self.states[b].layout.nbytes) is None:
                     return
@@ -130,15 +135,22 @@ class FirstUse:
         att, s = self.att, self.states[block]
         nbytes = s.layout.nbytes
         t0 = time.perf_counter()
-        if block in self.fills:   # its RAM home is read first (home=ram), then copied from there
+        mapped = self.pool.mapped.get(block)
+        if mapped is not None:   # the file's pages, page-locked ahead where they can be
+            pin = self.pins.pop(block, None)
+            if pin is not None:
+                pin.result()
+            out = s.device_buffer
+            ready = att.copier.enqueue(lambda: mapped.copy_into(out), None, timed=False)
+        elif block in self.fills:   # its RAM home is read first (home=ram), then copied from there
             src = self.pool.adopt(block).flat if self.pool.filling.get(block) is self.fills[block] \
                 else self.pool.buffer(block).flat
             att.stats.read_wait_s += time.perf_counter() - t0
-            ready = att.copier.copy(s.device_buffer, src, None)
+            ready = att.copier.copy(s.device_buffer, src, None, timed=False)
         else:
             staged = att.readahead.take(block, nbytes)
             att.stats.read_wait_s += time.perf_counter() - t0
-            ready = att.copier.copy(s.device_buffer, staged.buffer.flat[:nbytes], None)
+            ready = att.copier.copy(s.device_buffer, staged.buffer.flat[:nbytes], None, timed=False)
             att.readahead.release(staged, ready)
         s.binding.bind(s.layout.views(s.device_buffer))
         att.copier.compute_wait(ready)
@@ -170,6 +182,9 @@ class FirstUse:
             self.hooks.remove()
             self.hooks = None
         self.todo.clear()
+        for pin in self.pins.values():
+            pin.result()
+        self.pins = {}
         for block, fill in self.fills.items():
             if self.pool.filling.get(block) is not fill:   # adopted (or dropped) already
                 continue

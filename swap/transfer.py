@@ -125,18 +125,20 @@ class CopyStream:
             last.record(stream)
         return last
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None"):
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: "torch.cuda.Event | None", timed: bool = True):
         """Copy src into dst once `after` has happened; returns the event of completion."""
-        return self.enqueue(lambda: dst.copy_(src, non_blocking=True), after)
+        return self.enqueue(lambda: dst.copy_(src, non_blocking=True), after, timed=timed)
 
-    def enqueue(self, work, after: "torch.cuda.Event | None", stream: "torch.cuda.Stream | None" = None):
+    def enqueue(self, work, after: "torch.cuda.Event | None", stream: "torch.cuda.Stream | None" = None,
+                timed: bool = True):
         """Run `work()` (copies, and for a coded block its decode) on the copy stream, or on
         `stream` (a coder's own), once `after` has happened; returns its completion event, timed
-        like a copy (from the stream's previous work there)."""
+        like a copy (from the stream's previous work there) unless not `timed` (a load's placement)."""
         if not self.cuda:
             t0 = time.perf_counter()
             work()
-            self._copies.add((time.perf_counter() - t0,))
+            if timed:
+                self._copies.add((time.perf_counter() - t0,))
             return None
         stream = stream or self.stream
         self._streams.add(stream)
@@ -147,7 +149,8 @@ class CopyStream:
             work()
             done = _timing_event()
             done.record(stream)
-        self._copies.add((done, last, after))
+        if timed:
+            self._copies.add((done, last, after))
         self._last_copy[stream] = done
         return done
 

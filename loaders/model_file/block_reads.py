@@ -13,6 +13,7 @@ pages instead (home=auto: nothing read, swap/file_pages.py).
 """
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -26,6 +27,8 @@ from ...swap.host_pool import mapped_bytes
 from ...swap.layout import BlockBinding, BlockLayout
 from .range_reader import RangeReader
 from .safetensors_index import SafetensorsIndex
+
+log = logging.getLogger("ringswap.block_reads")
 
 
 SMALL_CAST = 1 << 20   # cast tensors up to this size are read together with the block
@@ -93,11 +96,18 @@ class BlockReads:
         self._nbytes = [BlockLayout.of(b).nbytes for b in blocks]
         self._pages: FilePages | None = None
         self._mapped: dict[int, MappedBlock] = {}
+        self._said = False   # why the blocks cannot be mapped, logged once
 
     def mapped(self, block: int) -> MappedBlock | None:
         """The block's home in the file's own pages (swap/file_pages.py), or None where the block
         holds a tensor the file does not give as it is (a cast, a value the file lacks)."""
         if self.cast[block] or self.constants[block] or not self.direct[block]:
+            if not self._said:
+                self._said = True
+                info, e = self.cast[block][0] if self.cast[block] else (None, None)
+                log.info("RingSwap: %s: blocks keep RAM homes read from the file, not the file's own pages: %s",
+                         self.index.path, f"tensor '{info.name}' is {info.dtype} in the file, {e.dtype} in the model"
+                         if info is not None else "a tensor the model holds is not in the file")
             return None
         home = self._mapped.get(block)
         if home is None:

@@ -1,7 +1,7 @@
 """Homes in the file's own pages (swap/file_pages.py): a block whose tensors are the file's bytes
 as they are is copied from a read-only mapping, piece by piece, into its layout; nothing is read.
-Exact at every window, with the first call streaming; on CUDA the pages are page-locked in place
-(two neighbours never register the same page) and given back at detach."""
+Exact at every window, with the first call streaming; on CUDA the pages wholly inside a home are
+page-locked in place and given back at detach."""
 import os
 
 import pytest
@@ -51,29 +51,28 @@ def test_mapped_homes_are_exact_and_read_nothing(tmp_path, stream_first):
             for _ in range(3):
                 assert torch.equal(run(blocks, X), ref), (window, prefetch, stream_first)
             assert set(engine.pool.mapped) == set(plan.streamed) and not engine.pool.blocks
-            assert src.reads == len(plan.resident)   # only the resident blocks were read (into their buffers)
+            # the first call places the resident blocks from the file's pages too; else they are read
+            assert src.reads == (0 if stream_first else len(plan.resident))
             engine.detach()
             assert set(engine.pool.mapped) == set(plan.streamed)   # kept: the next attach reads nothing
             engine.attach("cpu", load_plan(ResidencyPlan.make(N, 1, 1)))
             assert torch.equal(run(blocks, X), ref)
-            assert src.reads == len(plan.resident) and set(engine.pool.mapped) == set(range(N))
+            assert src.reads == (0 if stream_first else len(plan.resident)) and set(engine.pool.mapped) == set(range(N))
             engine.detach()
             engine.release_home()
 
 
-def test_neighbours_never_claim_the_same_page(tmp_path):
+def test_pieces_split_where_the_registered_pages_begin_and_end(tmp_path):
+    """A home registers only the pages wholly inside its bytes (neighbours share the others): a
+    copy is never part registered and part not."""
     path = os.path.join(tmp_path, "p.bin")
     with open(path, "wb") as f:
         f.write(bytes(10 * PAGE))
-    pages = FilePages(path)
-    assert pages.claim(100, 3 * PAGE + 5) == (0, 4 * PAGE)
-    assert pages.claim(3 * PAGE + 5, 6 * PAGE) == (4 * PAGE, 6 * PAGE)   # page 3 is taken: starts after it
-    assert pages.claim(5 * PAGE, 5 * PAGE + 10)[0] >= pages.claim(5 * PAGE, 5 * PAGE + 10)[1]   # all taken
-    pages.release(0)
-    assert pages.claim(0, PAGE) == (0, PAGE)
-    home = MappedBlock(pages, [(10, 100, 0), (PAGE - 8, 20, 100)], 120)
-    home._range, home.pinned = (PAGE, 2 * PAGE), True   # as if registered from page 1 on
-    assert home.pieces() == [(10, 100, 0), (PAGE - 8, 8, 100), (PAGE, 12, 108)]
+    home = MappedBlock(FilePages(path), [(100, PAGE, 0), (PAGE + 100, 2 * PAGE, PAGE)], 3 * PAGE)
+    assert home.pieces() == home.parts   # not registered: whole parts
+    home._range, home.pinned = (PAGE, 3 * PAGE), True   # as pin() registers: pages 1 and 2
+    assert home.pieces() == [(100, PAGE - 100, 0), (PAGE, 100, PAGE - 100), (PAGE + 100, 2 * PAGE - 100, PAGE),
+                             (3 * PAGE, 100, 3 * PAGE - 100)]
     home.pinned = False
 
 
@@ -82,7 +81,7 @@ def test_neighbours_never_claim_the_same_page(tmp_path):
 def test_mapped_homes_on_cuda_are_page_locked_and_exact(tmp_path):
     ref = run(make_blocks().cuda(), X.cuda())
     blocks = make_blocks()
-    map_block = write_file(blocks, os.path.join(tmp_path, "c.bin"))
+    map_block = write_file(blocks, os.path.join(tmp_path, "c.bin"), gap=3000)   # blocks over several pages
     engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home="auto", disk_workers=2,
                              map_block=map_block)
     engine.attach("cuda", load_plan(ResidencyPlan.make(N, 2, 1), stream_first=True))

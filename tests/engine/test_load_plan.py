@@ -152,8 +152,7 @@ def test_compress_on_without_cuda_is_a_clear_error_and_auto_gives_a_note():
     auto = plan_load(engine(), run(device="cpu"), SwapSettings(3))
     assert not auto.coding.code and not auto.coding.may_code and auto.coding.why == ""
     assert auto.coding.note == "RingSwap compress auto: off (there is no CUDA device to decode on)"
-    assert auto.line() == auto.window.line() + ("; the first call computes as its blocks arrive: 5.00 GB from "
-                                                "the file, each block waiting only for its own bytes")
+    assert auto.line() == auto.window.line()   # nothing of coding in the plan line
     shown = plan_load(engine(), run(device="cpu", preview=True), SwapSettings(3, compress="on"))
     assert not shown.coding.code and shown.coding.why == \
         "compress='on' but there is no CUDA device to decode on: a run stops with this error"
@@ -358,3 +357,19 @@ def test_bytes_before_attach_follow_the_set_window_rule(window, prefetch, blocks
     """What the model holds once loaded, known before the load plans (ComfyUI's full-load test
     asks): the same set-window rule and device-bytes count the planner uses."""
     assert bytes_before_attach(engine(), SwapSettings(window, prefetch)) == blocks * BLOCK
+
+
+def test_first_read_is_what_the_first_call_takes_from_the_file():
+    """The first call streams (LoadPlan.first_read) what RingSwap's own load of the file reads at
+    attach: home=auto's resident blocks and the RAM homes it has not got yet. Not home=ram (read
+    at load), not a shared MODEL's blocks, not where homes are coded (they are read, then coded)."""
+    plan = plan_load(auto_home(), run(), SwapSettings(3, compress="off"))
+    homes = set(plan.ram_blocks) | set(plan.residency.resident)
+    assert plan.stream_first and plan.first_read == len(homes) * BLOCK
+    assert "the first call computes as its blocks arrive: " f"{len(homes) * BLOCK / GB:.2f} GB from the file" in plan.line()
+    held = plan_load(auto_home(homes=frozenset(plan.ram_blocks)), run(), SwapSettings(3, compress="off"))
+    assert held.first_read == len(plan.residency.resident) * BLOCK   # the homes held are not read again
+    assert plan_load(engine(), run(), SwapSettings(3)).first_read == 0                        # home=ram
+    assert plan_load(auto_home(own_load=False), run(), SwapSettings(3, compress="off")).first_read == 0
+    coded = plan_load(auto_home(), run(), SwapSettings(3, compress="on"))
+    assert coded.coding.code and coded.first_read == 0 and "first call" not in coded.line()
