@@ -14,7 +14,7 @@ pages instead (home=auto: nothing read, swap/file_pages.py).
 from __future__ import annotations
 
 import logging
-import threading
+import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -32,6 +32,7 @@ log = logging.getLogger("ringswap.block_reads")
 
 
 SMALL_CAST = 1 << 20   # cast tensors up to this size are read together with the block
+CAST_SHARE = 4         # one buffer for large casts per this many readers
 
 
 def _cast_into(dest: torch.Tensor, e, raw: torch.Tensor, info) -> None:
@@ -91,8 +92,11 @@ class BlockReads:
         # tensors to cast (a single thread would read such blocks one at a time)
         self._cast_pool = ThreadPoolExecutor(reader.workers, thread_name_prefix="ringswap-cast") \
             if any(self.cast) else None
-        self._large_cast = threading.Lock()   # guards _large_buf: large casts one at a time
-        self._large_buf = mapped_bytes(0)
+        # buffers for the large casts, reused: CAST_SHARE of the readers read and cast at once,
+        # so host memory for casts stays a few tensors (a lone buffer read at 2 GB/s: issue 53)
+        self._cast_bufs: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(max(1, reader.workers // CAST_SHARE)):
+            self._cast_bufs.put(mapped_bytes(0))
         self._nbytes = [BlockLayout.of(b).nbytes for b in blocks]
         self._pages: FilePages | None = None
         self._mapped: dict[int, MappedBlock] = {}
@@ -126,8 +130,8 @@ class BlockReads:
 
     def _read_with_casts(self, block: int, dest: torch.Tensor) -> int:
         """The small tensors to cast (biases, norms: up to SMALL_CAST bytes each) are read
-        together with the direct ranges, into one staging buffer; the large ones after, one
-        at a time across all blocks through one reused buffer."""
+        together with the direct ranges, into one staging buffer; the large ones after, each
+        through one of a few reused buffers (as many at once across all blocks)."""
         small, small_bytes, large = self._cast_plan[block]
         # mapped, not malloc'd: on a reader thread malloc would take it from that thread's
         # own heap, which keeps what is freed (RSS would grow every load; swap.host_pool.mapped_bytes)
@@ -146,12 +150,15 @@ class BlockReads:
         for info, e, off in small:
             _cast_into(dest, e, tmp[off:off + info.nbytes], info)
         for info, e in large:
-            with self._large_cast:   # one reused buffer: host memory for casts stays one tensor
-                if self._large_buf.numel() < info.nbytes:
-                    self._large_buf = mapped_bytes(info.nbytes)
-                big = self._large_buf[:info.nbytes]
+            buf = self._cast_bufs.get()   # waits while every buffer is in use
+            try:
+                if buf.numel() < info.nbytes:
+                    buf = mapped_bytes(info.nbytes)
+                big = buf[:info.nbytes]
                 n += self.reader.read_into(big, [(info.start, info.nbytes, 0)]).result()
                 _cast_into(dest, e, big, info)
+            finally:
+                self._cast_bufs.put(buf)
         return n
 
     def close(self) -> None:
