@@ -4,6 +4,7 @@ from __future__ import annotations
 import folder_paths
 
 from ..loaders.comfyui_adapter.gguf_file import model_names
+from ..loaders.comfyui_adapter import prompt_clock
 from ..loaders.comfyui_adapter.live_feed import progress_bar
 from ..loaders.comfyui_adapter.load_swapped import cached_swapped_base
 from ..loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
@@ -46,6 +47,7 @@ class RingSwapModelLoader:
 
     def load(self, unet_name: str, window: int, prefetch: int, home: str, pin_memory: str, disk_workers: int,
              vram_budget_gb: float = 0.0, ram_budget_gb: float = 0.0, compress: str = "auto", unique_id=None):
+        prompt_clock.node_started()
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb, ram_budget_gb, compress)
         base = cached_swapped_base(path, home, disk_workers, progress=progress_bar())

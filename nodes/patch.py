@@ -1,6 +1,7 @@
 """RingSwap Patch: turn on block swapping for any MODEL (e.g. from Load Diffusion Model)."""
 from __future__ import annotations
 
+from ..loaders.comfyui_adapter import prompt_clock
 from ..loaders.comfyui_adapter.live_feed import progress_bar
 from ..loaders.comfyui_adapter.load_swapped import own_model_for
 from ..loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
@@ -28,6 +29,7 @@ class RingSwapPatch:
 
     def patch(self, model, window: int, prefetch: int, pin_memory: str, vram_budget_gb: float = 0.0,
               compress: str = "auto", unique_id=None):
+        prompt_clock.node_started()
         settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb, compress=compress)
         # A MODEL built for dynamic VRAM is cloned onto RingSwap's own load of its file.
         return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar()), node=unique_id),)

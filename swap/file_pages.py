@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import warnings
+from typing import Callable
 
 import torch
 
@@ -26,10 +27,12 @@ PAGE = mmap.PAGESIZE
 
 
 class FilePages:
-    """One model file mapped read-only."""
+    """One model file mapped read-only; `check()` raises where the file changed since it was opened
+    (the loader's: a mapped page cut off by truncation would crash the process on a copy, so every
+    block's copy asks first)."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, check: Callable[[], None] = lambda: None):
+        self.path, self.check = path, check
         with open(path, "rb") as f:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         with warnings.catch_warnings():   # read-only memory: nothing here writes it
@@ -93,6 +96,7 @@ class MappedBlock:
 
     def copy_into(self, out: torch.Tensor) -> None:
         """Copy the block's bytes into `out` (its layout; on the current stream, async where pinned)."""
+        self.pages.check()
         data = self.pages.data
         for s, n, d in self.pieces():
             out[d:d + n].copy_(data[s:s + n], non_blocking=True)

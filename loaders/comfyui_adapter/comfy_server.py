@@ -16,6 +16,11 @@ def prompt_server():
     return getattr(getattr(server, "PromptServer", None), "instance", None)
 
 
+def running_prompt():
+    """The id of the prompt ComfyUI's server is running (`PromptServer.last_prompt_id`), or None."""
+    return getattr(prompt_server(), "last_prompt_id", None)
+
+
 def client_connected(sid: str) -> bool:
     """Is the websocket client `sid` connected now (`PromptServer.instance.sockets`)?"""
     sockets = getattr(prompt_server(), "sockets", None)

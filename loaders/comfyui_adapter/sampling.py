@@ -23,7 +23,7 @@ from ...swap.load_plan import OOM, RATES, LoadPlan, plan_load
 from ...swap.recovery import run_call
 from . import comfy_features as features
 from . import comfy_memory, comfy_sampling
-from . import live_feed, run_facts
+from . import live_feed, prompt_clock, run_facts
 from .run_facts import RunRequest, measured_for, request_of
 from .swap_state import swap_state_on
 
@@ -38,6 +38,7 @@ LINE_SLACK = 1.25   # see free_for_batching
 _conds_per_step: contextvars.ContextVar[int | None] = contextvars.ContextVar("ringswap_conds_per_step",
                                                                             default=None)
 _steps: contextvars.ContextVar[int | None] = contextvars.ContextVar("ringswap_steps", default=None)
+_started: contextvars.ContextVar[float | None] = contextvars.ContextVar("ringswap_started", default=None)
 
 
 def install(patcher) -> None:
@@ -72,9 +73,11 @@ def conds_per_step(guider) -> int | None:
 def _outer_sample(executor, *args, **kwargs):
     token = _conds_per_step.set(conds_per_step(executor.class_obj))
     steps = _steps.set(comfy_sampling.sampling_steps(executor, args, kwargs))
+    started = _started.set(prompt_clock.run_started())
     try:
         return executor(*args, **kwargs)
     finally:
+        _started.reset(started)
         _steps.reset(steps)
         _conds_per_step.reset(token)
 
@@ -155,10 +158,23 @@ def _apply_model(executor, *args, **kwargs):
 
     out = run_call(engine, lambda: executor(*args, **kwargs), smaller, on_change,
                    measure_peak=not _peak_known(patcher))
+    _time_first_step(engine, patcher)
     if patcher is not None and engine.attached and engine.stats.calls == RATES_AFTER_CALLS \
             and not engine.stats.shrinks:
         replan_by_rates(patcher, on_change)
     return out
+
+
+def _time_first_step(engine, patcher) -> None:
+    """After the run's first step (its planned model calls): the seconds since its prompt started
+    go into the run's stats (one device sync a run)."""
+    started, run = _started.get(), getattr(patcher, "ringswap_run", None)
+    if started is None or run is None or run.plan is None or not engine.attached or engine.stats.first_step_s:
+        return
+    if engine.stats.calls == run.plan.window.inputs.calls_per_step:
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        engine.stats.first_step_s = time.perf_counter() - started
 
 
 def replan_by_rates(patcher, on_change, rates: tuple[float, float] | None = None) -> LoadPlan | None:

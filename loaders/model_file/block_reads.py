@@ -116,7 +116,7 @@ class BlockReads:
         home = self._mapped.get(block)
         if home is None:
             if self._pages is None:
-                self._pages = FilePages(self.index.path)
+                self._pages = FilePages(self.index.path, self.reader.check_unchanged)
             home = self._mapped[block] = MappedBlock(self._pages, self.direct[block], self._nbytes[block])
         return home
 
