@@ -5,7 +5,8 @@ it before the read fills it (2-5 GB/s on the device machine, whatever the reader
 already in the page cache holds those bytes: mapped, a block's tensors are views of it, and
 cudaHostRegister (read-only) page-locks them at 26 GB/s, after which they copy to the GPU at the
 link's rate (bench/probes/map_rates.py). So a block whose tensors are the file's bytes as they are
-(no cast, nothing missing) gets a MappedBlock as its home: nothing is read, nothing is copied in
+(nothing missing; a tensor the model holds in another dtype is cast on the GPU as it lands, from
+the bytes the file has) gets a MappedBlock as its home: nothing is read, nothing is copied in
 RAM, and the pages are the ones ComfyUI's own mapping of the file uses too. A home registers only
 the pages wholly inside its bytes (two registrations may not share a page, and a copy may not span
 registered and unregistered memory): the few bytes in the pages it shares with its neighbours are
@@ -38,8 +39,18 @@ class FilePages:
         with warnings.catch_warnings():   # read-only memory: nothing here writes it
             warnings.simplefilter("ignore", UserWarning)
             self.data = torch.frombuffer(self.map, dtype=torch.uint8)
+        self._scratch: dict[torch.device, torch.Tensor] = {}
+
+    def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Device bytes a tensor to cast lands in before its cast: one buffer per device, grown to
+        the largest such tensor (used on the copy stream only, so one at a time)."""
+        buf = self._scratch.get(device)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._scratch[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
 
     def close(self) -> None:
+        self._scratch = {}
         self.data = None
         try:
             self.map.close()
@@ -47,14 +58,24 @@ class FilePages:
             pass
 
 
-class MappedBlock:
-    """One block's home in the file's pages: `parts` are (file offset, length, offset in the
-    block's layout). Offers what a home buffer does (pin, unpin, pinned, nbytes, locked_bytes)."""
+Cast = "tuple[torch.dtype, torch.dtype] | None"   # (the file's dtype, the model's) of a tensor to cast
 
-    def __init__(self, pages: FilePages, parts: list[tuple[int, int, int]], nbytes: int):
-        self.pages, self.parts, self.nbytes = pages, parts, nbytes
-        self.start = min(s for s, _, _ in parts)
-        self.end = max(s + n for s, n, _ in parts)
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+class MappedBlock:
+    """One block's home in the file's pages: `parts` are (file offset, length in the file, offset in
+    the block's layout[, (file dtype, model dtype) where the model holds it in another dtype: cast
+    where it lands, on the GPU]). Offers what a home buffer does (pin, unpin, pinned, nbytes,
+    locked_bytes)."""
+
+    def __init__(self, pages: FilePages, parts: list[tuple], nbytes: int):
+        self.pages, self.nbytes = pages, nbytes
+        self.parts = [(p[0], p[1], p[2], p[3] if len(p) > 3 else None) for p in parts]
+        self.start = min(p[0] for p in parts)
+        self.end = max(p[0] + p[1] for p in parts)
         self.pinned = False
         self._range = (0, 0)
         self._budget = None
@@ -84,22 +105,32 @@ class MappedBlock:
             unregister(self.pages.data[a:].data_ptr(), self._budget)
             self.pinned, self._range = False, (0, 0)
 
-    def pieces(self) -> list[tuple[int, int, int]]:
+    def pieces(self) -> list[tuple]:
         """`parts` split where the registered range begins and ends (a copy is either all
-        page-locked or all pageable)."""
+        page-locked or all pageable; a page boundary falls between two elements)."""
         a, b = self._range if self.pinned else (0, 0)
         out = []
-        for s, n, d in self.parts:
+        for s, n, d, cast in self.parts:
             cuts = sorted({s, s + n} | {c for c in (a, b) if s < c < s + n})
-            out += [(x, y - x, d + x - s) for x, y in zip(cuts, cuts[1:])]
+            f, t = (_itemsize(cast[0]), _itemsize(cast[1])) if cast is not None else (1, 1)
+            out += [(x, y - x, d + (x - s) // f * t, cast) for x, y in zip(cuts, cuts[1:])]
         return out
 
     def copy_into(self, out: torch.Tensor) -> None:
-        """Copy the block's bytes into `out` (its layout; on the current stream, async where pinned)."""
+        """Copy the block's bytes into `out` (its layout; on the current stream, async where pinned);
+        a tensor to cast crosses the link as the file has it and is cast on the device, through
+        a scratch buffer (on the CPU, in place)."""
         self.pages.check()
         data = self.pages.data
-        for s, n, d in self.pieces():
-            out[d:d + n].copy_(data[s:s + n], non_blocking=True)
+        for s, n, d, cast in self.pieces():
+            if cast is None:
+                out[d:d + n].copy_(data[s:s + n], non_blocking=True)
+                continue
+            dst = out[d:d + n // _itemsize(cast[0]) * _itemsize(cast[1])].view(cast[1])
+            src = data[s:s + n]
+            if out.device.type != "cpu":
+                src = self.pages.scratch(n, out.device).copy_(src, non_blocking=True)
+            dst.copy_(src.view(cast[0]))
 
     def __del__(self):
         try:

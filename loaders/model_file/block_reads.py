@@ -103,21 +103,20 @@ class BlockReads:
         self._said = False   # why the blocks cannot be mapped, logged once
 
     def mapped(self, block: int) -> MappedBlock | None:
-        """The block's home in the file's own pages (swap/file_pages.py), or None where the block
-        holds a tensor the file does not give as it is (a cast, a value the file lacks)."""
-        if self.cast[block] or self.constants[block] or not self.direct[block]:
+        """The block's home in the file's own pages (swap/file_pages.py; a tensor held in another
+        dtype is cast as it lands), or None where the block holds a value the file lacks."""
+        if self.constants[block] or not (self.direct[block] or self.cast[block]):
             if not self._said:
                 self._said = True
-                info, e = self.cast[block][0] if self.cast[block] else (None, None)
-                log.info("RingSwap: %s: blocks keep RAM homes read from the file, not the file's own pages: %s",
-                         self.index.path, f"tensor '{info.name}' is {info.dtype} in the file, {e.dtype} in the model"
-                         if info is not None else "a tensor the model holds is not in the file")
+                log.info("RingSwap: %s: blocks keep RAM homes read from the file, not the file's own pages: "
+                         "the model holds a value the file does not have", self.index.path)
             return None
         home = self._mapped.get(block)
         if home is None:
             if self._pages is None:
                 self._pages = FilePages(self.index.path, self.reader.check_unchanged)
-            home = self._mapped[block] = MappedBlock(self._pages, self.direct[block], self._nbytes[block])
+            casts = [(info.start, info.nbytes, e.offset, (info.dtype, e.dtype)) for info, e in self.cast[block]]
+            home = self._mapped[block] = MappedBlock(self._pages, self.direct[block] + casts, self._nbytes[block])
         return home
 
     def read_block(self, block: int, dest: torch.Tensor) -> Future:

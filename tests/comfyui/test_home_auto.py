@@ -16,8 +16,8 @@ BLOCKS = 8
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def wan(tmp_path_factory, request):
-    """On the CPU ComfyUI computes in fp32: an fp32 file's blocks get homes in the file's own pages
-    (swap/file_pages.py), a bf16 file's are cast, so read into RAM homes (both where CUDA computes bf16)."""
+    """Homes in the file's own pages (swap/file_pages.py): an fp32 file's blocks as they are, a bf16
+    file's cast as they land (on the CPU ComfyUI computes in fp32)."""
     path = tiny_wan(str(tmp_path_factory.mktemp("auto")), blocks=BLOCKS, dtype=request.param)
     want = forward(load_stock(path), *inputs(seed=0))
     comfy.model_management.unload_all_models()

@@ -69,11 +69,33 @@ def test_pieces_split_where_the_registered_pages_begin_and_end(tmp_path):
     with open(path, "wb") as f:
         f.write(bytes(10 * PAGE))
     home = MappedBlock(FilePages(path), [(100, PAGE, 0), (PAGE + 100, 2 * PAGE, PAGE)], 3 * PAGE)
-    assert home.pieces() == home.parts   # not registered: whole parts
+    assert home.pieces() == home.parts == [(100, PAGE, 0, None), (PAGE + 100, 2 * PAGE, PAGE, None)]
     home._range, home.pinned = (PAGE, 3 * PAGE), True   # as pin() registers: pages 1 and 2
-    assert home.pieces() == [(100, PAGE - 100, 0), (PAGE, 100, PAGE - 100), (PAGE + 100, 2 * PAGE - 100, PAGE),
-                             (3 * PAGE, 100, 3 * PAGE - 100)]
+    assert home.pieces() == [(100, PAGE - 100, 0, None), (PAGE, 100, PAGE - 100, None),
+                             (PAGE + 100, 2 * PAGE - 100, PAGE, None), (3 * PAGE, 100, 3 * PAGE - 100, None)]
     home.pinned = False
+    cast = (torch.bfloat16, torch.float32)   # two bytes in the file, four in the layout: offsets scale
+    home = MappedBlock(FilePages(path), [(PAGE - 8, 16, 64, cast)], 96)
+    home._range, home.pinned = (PAGE, 2 * PAGE), True
+    assert home.pieces() == [(PAGE - 8, 8, 64, cast), (PAGE, 8, 80, cast)]
+    home.pinned = False
+
+
+def test_a_tensor_held_in_another_dtype_is_cast_as_it_lands(tmp_path):
+    """The file's bf16 bytes, the model's fp32 tensor: the home copies and casts them into the layout,
+    exactly as a cast on read would."""
+    values = torch.randn(3000).to(torch.bfloat16)
+    path = os.path.join(tmp_path, "c.bin")
+    with open(path, "wb") as f:
+        f.write(bytes(6) + values.view(torch.uint8).numpy().tobytes())
+    home = MappedBlock(FilePages(path), [(6, 6000, 512, (torch.bfloat16, torch.float32))], 512 + 12000)
+    out = torch.zeros(512 + 12000, dtype=torch.uint8)
+    home.copy_into(out)
+    assert torch.equal(out[512:].view(torch.float32), values.float()) and not out[:512].any()
+    if torch.cuda.is_available():   # through the device scratch buffer
+        dev = torch.zeros_like(out, device="cuda")
+        home.copy_into(dev)
+        assert torch.equal(dev.cpu(), out)
 
 
 @pytest.mark.gpu
