@@ -52,6 +52,14 @@ def _take_down(engine: BlockSwapEngine, on_change: Callable[[int, int], None]) -
         torch.cuda.empty_cache()
 
 
+def _load_failed(engine: BlockSwapEngine, on_change: Callable[[int, int], None], held: int) -> None:
+    """A call failed while its load's blocks were arriving: detached (where the failed landing did
+    not do it already), the `held` device bytes given back."""
+    if engine.attached:
+        _take_down(engine, lambda old, new: None)
+    on_change(held, 0)
+
+
 def _give_up(engine: BlockSwapEngine, on_change: Callable[[int, int], None], message: str) -> None:
     _take_down(engine, on_change)
     raise torch.OutOfMemoryError(message)
@@ -82,26 +90,30 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
         reason = str(e).splitlines()[0] if str(e) else "out of memory"
     except BaseException:
         if loading:   # a read error or an interrupt while the blocks arrived: nothing stays half-placed
-            if engine.attached:   # (a failed landing took it down already)
-                _take_down(engine, lambda old, new: None)
-            on_change(loading, 0)
+            _load_failed(engine, on_change, loading)
         raise
     # Outside the except block: the failed call's frames (and activations) are freed.
     window, prefetch = att.plan.window, att.plan.prefetch
     where = f"{att.device} at window {window}, prefetch {prefetch}"
     target = smaller()
-    shrunk = target.residency if target is not None else None
     if target is None:
         _give_up(engine, on_change, f"RingSwap: out of memory on {where}, already the smallest plan: {reason}. "
                                     "Use a smaller latent (resolution, frames, batch), a quantized model, or free "
                                     "VRAM held by other programs.")
+    return _retry(engine, call, target, on_change, where, reason)
+
+
+def _retry(engine: BlockSwapEngine, call: Callable[[], T], target: LoadPlan,
+           on_change: Callable[[int, int], None], where: str, reason: str) -> T:
+    """Re-attach at `target` (the smaller plan after running out of memory on `where`) and run the
+    call once more; out of memory again detaches and raises."""
+    shrunk, cuda = target.residency, engine.att.device.type == "cuda"
     held = engine.device_bytes()
     try:
         engine.reattach(target)
     except torch.OutOfMemoryError as e:
-        reason = str(e).splitlines()[0]
         _give_up(engine, on_change, f"RingSwap: out of memory on {where}, and again re-attaching at window "
-                                    f"{shrunk.window}: {reason}")
+                                    f"{shrunk.window}: {str(e).splitlines()[0]}")
     if cuda:
         torch.cuda.empty_cache()
     on_change(held, engine.device_bytes())
@@ -109,12 +121,13 @@ def run_call(engine: BlockSwapEngine, call: Callable[[], T],
                 "(%.2f GB of blocks on the device instead of %.2f GB)",
                 where, reason, shrunk.window, shrunk.prefetch, engine.device_bytes() / GB, held / GB)
     engine.begin_call()
-    engine.att.stats.calls -= 1   # the same call, retried
+    att = engine.att
+    att.stats.calls -= 1   # the same call, retried
     peak = CallPeak(att.device, att.on_land) if cuda else None
     try:
         out = call()
         if peak is not None:
-            engine.att.stats.activation_peak = peak.bytes()
+            att.stats.activation_peak = peak.bytes()
         engine.end_call()
         return out
     except torch.OutOfMemoryError as e:
