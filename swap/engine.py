@@ -162,10 +162,15 @@ class BlockSwapEngine(BlockLoop):
     def _map_homes(self, keep: frozenset[int], compress: bool) -> None:
         """home=auto, raw homes: the blocks to keep in RAM (and, for a first call that streams, the
         resident blocks to place) that have no home get one in the file's own pages where the file
-        holds their bytes as they are (nothing read, nothing copied; a resident block's goes at settle)."""
-        if self.map_block is None or not self.homes.splits_ram or compress:
+        holds their bytes as they are (nothing read, nothing copied; a resident block's goes at settle).
+        Homes kept coded are RAM buffers: an attach that codes reads its mapped homes into them."""
+        if self.map_block is None or not self.homes.splits_ram:
             return
         for i in sorted(keep):
+            if compress:
+                if i in self.pool.mapped:
+                    self.pool.drop(i)
+                continue
             mapped = None if self.pool.has(i) else self.map_block(i)
             if mapped is not None:
                 self.pool.mapped[i] = mapped

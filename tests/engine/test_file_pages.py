@@ -12,6 +12,7 @@ from ringswap.swap.file_pages import PAGE, FilePages, MappedBlock
 from ringswap.swap.layout import BlockBinding, BlockLayout
 
 from toy_blocks import N, FileLike, load_plan, make_blocks, run
+from zlib_planes import ZlibPlanes
 
 X = torch.randn(4, 32)
 
@@ -113,3 +114,22 @@ def test_mapped_homes_on_cuda_are_page_locked_and_exact(tmp_path):
     engine.detach()
     assert engine.pool.pinned_bytes == 0
     engine.release_home()
+
+
+def test_an_attach_that_codes_reads_its_mapped_homes_into_ram(tmp_path):
+    """Coded homes are RAM buffers: a load that codes (compress) after one that mapped the homes
+    reads them into RAM and codes them there; exact either way."""
+    blocks = make_blocks().to(torch.bfloat16)   # bytes the stand-in coder shrinks
+    ref = run(blocks, X.to(torch.bfloat16))
+    map_block = write_file(blocks, os.path.join(tmp_path, "k.bin"))
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2, map_block=map_block)
+    engine.coder_factory = ZlibPlanes
+    plan = ResidencyPlan.make(N, 3, 1)
+    engine.attach("cpu", load_plan(plan))
+    assert set(engine.pool.mapped) == set(plan.streamed) and torch.equal(run(blocks, X.to(torch.bfloat16)), ref)
+    engine.detach()
+    engine.attach("cpu", load_plan(plan, compress=True))
+    assert not engine.pool.mapped and set(engine.pool.coded) == set(plan.streamed)
+    assert torch.equal(run(blocks, X.to(torch.bfloat16)), ref)
+    engine.detach()
