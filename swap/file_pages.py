@@ -11,8 +11,8 @@ RAM, and the pages are the ones ComfyUI's own mapping of the file uses too. A ho
 the pages wholly inside its bytes (two registrations may not share a page, and a copy may not span
 registered and unregistered memory): the few bytes in the pages it shares with its neighbours are
 copied as pageable memory, in pieces of their own. Written here: no library page-locks a file
-mapping. Linux and Windows (mmap.ACCESS_READ); where CUDA refuses the registration the home stays
-pageable and its copies are synchronous.
+mapping. Linux and Windows (mmap.ACCESS_READ); where CUDA refuses to register a file's pages
+(`pinnable`) the loader keeps RAM homes read from the file instead.
 """
 from __future__ import annotations
 
@@ -40,6 +40,18 @@ class FilePages:
             warnings.simplefilter("ignore", UserWarning)
             self.data = torch.frombuffer(self.map, dtype=torch.uint8)
         self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._pinnable: bool | None = None
+
+    def pinnable(self) -> bool:
+        """Can CUDA page-lock this mapping's pages (asked once: register a few pages and let them go)?
+        Where it cannot (some drivers, other OSes) homes here would copy as pageable memory, slowly."""
+        if self._pinnable is None:
+            n = min(len(self.map), 1 << 21) // PAGE * PAGE
+            budget = register(self.data[:n].data_ptr(), n, REGISTER_READ_ONLY) if n else False
+            if budget is not False:
+                unregister(self.data[:n].data_ptr(), budget)
+            self._pinnable = budget is not False
+        return self._pinnable
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Device bytes a tensor to cast lands in before its cast: one buffer per device, grown to

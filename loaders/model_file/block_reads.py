@@ -111,10 +111,16 @@ class BlockReads:
                 log.info("RingSwap: %s: blocks keep RAM homes read from the file, not the file's own pages: "
                          "the model holds a value the file does not have", self.index.path)
             return None
+        if self._pages is None:
+            self._pages = FilePages(self.index.path, self.reader.check_unchanged)
+        if torch.cuda.is_available() and not self._pages.pinnable():
+            if not self._said:
+                self._said = True
+                log.info("RingSwap: %s: CUDA does not page-lock this file's pages here; blocks keep RAM homes "
+                         "read from the file", self.index.path)
+            return None
         home = self._mapped.get(block)
         if home is None:
-            if self._pages is None:
-                self._pages = FilePages(self.index.path, self.reader.check_unchanged)
             casts = [(info.start, info.nbytes, e.offset, (info.dtype, e.dtype)) for info, e in self.cast[block]]
             home = self._mapped[block] = MappedBlock(self._pages, self.direct[block] + casts, self._nbytes[block])
         return home

@@ -111,6 +111,7 @@ def test_mapped_homes_on_cuda_are_page_locked_and_exact(tmp_path):
     for _ in range(3):
         assert torch.equal(run(blocks, X.cuda()), ref)
     assert engine.memory == "pinned" and all(engine.pool.mapped[i].pinned for i in engine.plan.streamed)
+    assert engine.pool.mapped[engine.plan.streamed[0]].pages.pinnable()
     engine.detach()
     assert engine.pool.pinned_bytes == 0
     engine.release_home()
