@@ -75,3 +75,19 @@ def test_file_truncated_before_the_first_call_is_a_clear_error_and_nothing_stays
     fresh = load_swapped_model(path, SwapSettings(2, 1, compress="off"), home="auto")
     assert torch.equal(forward(fresh, *inputs(seed=0)), ref)
     comfy.model_management.unload_all_models()
+
+
+@pytest.mark.parametrize("home", ["auto", "ram"])
+@pytest.mark.parametrize("compress", ["off", "auto"])
+def test_first_call_equals_the_stock_loader_at_every_window(wan, home, compress):
+    """Windows 1 to all, prefetch 0-2: a fresh load's first call (its blocks arriving) and the call
+    after equal ComfyUI's own loader, bit for bit."""
+    path, ref, _ = wan
+    for window in (1, 2, BLOCKS):
+        for prefetch in (0, 1, 2):
+            model = load_swapped_model(path, SwapSettings(window, prefetch, compress=compress), home=home)
+            assert torch.equal(forward(model, *inputs(seed=0)), ref), (home, compress, window, prefetch)
+            assert torch.equal(forward(model, *inputs(seed=0)), ref), (home, compress, window, prefetch)
+            assert not model.swap_engine.loading
+            comfy.model_management.unload_all_models()
+            del model
