@@ -139,8 +139,8 @@ class BlockSwapEngine(BlockLoop):
         t0 = time.perf_counter()
         placing = [i for i in plan.resident if self.states[i].device_buffer is None]
         stream_first = stream_first and self.read_block is not None and not compress
-        report = read_progress(self.states, self.pool, keep | set(placing), progress) \
-            if self.read_block is not None and not stream_first else None
+        report = progress if stream_first else read_progress(self.states, self.pool, keep | set(placing), progress) \
+            if self.read_block is not None else None
         self._map_homes(keep | (frozenset(placing) if stream_first else frozenset()), compress)
         fills = [i for i in sorted(keep) if not self.pool.has(i)] if stream_first else []
         read_back = 0 if stream_first else ensure(self.states, self.pool, self.read_block, keep, report)
@@ -189,7 +189,8 @@ class BlockSwapEngine(BlockLoop):
             if file_streamed or any(not self.pool.has(i) for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.read_buffers, self.block_bytes(),
                                           pin=device.type == "cuda" and att.pin_memory != "off")
-            read_back = placement.place_all(self.states, self.pool, att, now, read_back, report, self.coding)
+            read_back = placement.place_all(self.states, self.pool, att, now, read_back,
+                                            None if stream_first else report, self.coding)
             if pinning is not None and not (later or fills):
                 pinning.join()
             if later or fills:
@@ -198,7 +199,7 @@ class BlockSwapEngine(BlockLoop):
                 att.first_use = FirstUse(self.states, self.pool, self.read_block, att, later, fills, pinning,
                                          pin=device.type == "cuda" and att.pin_memory != "off",
                                          placed=partial(self._placed_first, att), guard=self._loading,
-                                         landed=self._settle_first_use)
+                                         landed=self._settle_first_use, progress=report)
             else:
                 settle(self.homes, self.states, self.pool, att)
             if plan.streamed:

@@ -38,13 +38,16 @@ class FirstUse:
 
     def __init__(self, states: list[BlockState], pool: HostPool, read_block: ReadFn, att: Attachment,
                  placing: list[int], homes: list[int], pinning: threading.Thread | None, pin: bool, placed: Callable[[int], None],
-                 guard: Callable[[], ContextManager] = nullcontext, landed: Callable[[], None] = lambda: None):
+                 guard: Callable[[], ContextManager] = nullcontext, landed: Callable[[], None] = lambda: None,
+                 progress: Callable[[int, int], None] | None = None):
         self.states, self.pool, self.read_block, self.att, self.placed = states, pool, read_block, att, placed
         self.pinning = pinning   # page-locking the homes held already (ram_homes.lock_early), joined at the end
         self.guard = guard   # around each landing: the engine's (a failure takes the attachment down)
         self.on_landed = landed   # called once every block is in (the engine settles the attachment)
+        self.progress, self.shown = progress, -1   # progress(bytes in, bytes of the blocks the call lands)
         self.todo = deque(sorted(set(placing) | set(homes)))
         self.placing = set(placing)
+        self.placing_all = frozenset(placing)
         self.flight: set[int] = set()   # resident blocks whose staging read is submitted, not yet placed
         self.fills: dict[int, Fill] = {}   # the homes this load reads, by block
         self.pinner = ThreadPoolExecutor(2, thread_name_prefix="ringswap-pin") if pin else None
@@ -67,7 +70,8 @@ class FirstUse:
 
     def pump(self) -> None:
         """Submit reads in call order while fewer than LOOKAHEAD blocks are in flight (a resident
-        block waits for a free staging buffer)."""
+        block waits for a free staging buffer); report the bytes in so far."""
+        self._report()
         while self.todo and self._in_flight() < LOOKAHEAD:
             b = self.todo[0]
             if b in self.fills:   # read into its home (a resident block with one is placed from there)
@@ -82,6 +86,17 @@ class FirstUse:
                     return
                 self.flight.add(b)
             self.todo.popleft()
+
+    def _report(self) -> None:
+        if self.progress is None:
+            return
+        size = [s.layout.nbytes for s in self.states]
+        total = sum(size[i] for i in self.placing_all) + sum(size[i] for i in self.fills)
+        done = sum(size[i] for i in self.placing_all - self.placing) + \
+            sum(size[i] for i, f in self.fills.items() if f.future.done())
+        if done != self.shown:
+            self.shown = done
+            self.progress(done, total)
 
     def _read_home(self, block: int, buf: HostBuffer) -> None:
         """Read `block` into its home `buf`, then page-lock it (on the pinning threads); the
@@ -171,6 +186,7 @@ class FirstUse:
         for fill in self.fills.values():
             fill.start()
             fill.future.result()
+        self._report()
         self.stop()
         return self.nbytes, time.perf_counter() - self.t0, self.reads_done - self.t0, self.pin_s
 

@@ -25,11 +25,16 @@ def test_first_block_computes_before_the_file_is_read():
     engine, src = _engine(blocks, delay=0.03)
     seen = []
     hooks = [b.register_forward_hook(lambda m, a, o, i=i: seen.append((i, src.reads))) for i, b in enumerate(blocks)]
-    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 3, 1), stream_first=True))
+    shown = []
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 3, 1), stream_first=True),
+                  progress=lambda done, total: shown.append((done, total)))
     assert engine.loading and src.reads < N
     assert torch.equal(run(blocks, X), ref)
     for h in hooks:
         h.remove()
+    total = N * engine.states[0].layout.nbytes   # the load's progress moves with the bytes in
+    assert len(shown) > 2 and shown[-1] == (total, total) and all(t == total for _, t in shown)
+    assert [d for d, _ in shown] == sorted(d for d, _ in shown)
     assert [i for i, _ in seen] == list(range(N))
     assert seen[0][1] < N - 1, seen   # block 0 ran with most of the file still to read
     assert not engine.loading and src.reads == N   # every block read once: into its home or its device buffer
