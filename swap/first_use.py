@@ -2,17 +2,18 @@
 
 Instead of reading every block before the first call, the attach only starts reading: in the
 order a model calls its blocks (list order), at most LOOKAHEAD blocks in flight so that a block
-the call needs soon is never queued behind the whole model. A resident block from the file is
-read into a pinned staging buffer (the attachment's ReadAhead) and copied into its device buffer
-just before it first computes (a hook on it until then); a streamed block's RAM home is read
-into its own buffer (`HostPool.filling`, a FillingHome in swap/homes.py), page-locked on a
-thread of its own, and the block's slot copies from it once read. So every byte is read once,
-into where it stays, and each block waits only for its own bytes. After the first call the
-attachment settles as an up-front load would (`BlockSwapEngine._settle_first_use`).
+the call needs soon is never queued behind the whole model. A resident block is copied into its
+device buffer just before it first computes (a hook on it until then): from its file pages,
+page-locked ahead on the pinning threads (swap/file_pages.py), else read into a pinned staging
+buffer (the attachment's ReadAhead). A streamed block's home is its file pages where it can be
+(given by the engine before this starts), else read into its own buffer (`HostPool.filling`, a
+FillingHome in swap/homes.py), page-locked once read, and its slot copies from it. So every byte
+is read at most once, into where it stays, and each block waits only for its own bytes; the
+load's progress follows the bytes in. After the first call the attachment settles as an up-front
+load would (swap/block_loop.py, `_settle_first_use`).
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -24,8 +25,6 @@ from .hooks import BlockHooks
 from .host_pool import Fill, HostBuffer, HostPool
 from .read_ahead import ReadFn
 from .state import Attachment, BlockState
-
-log = logging.getLogger("ringswap.first_use")
 
 LOOKAHEAD = 6   # blocks read at once: enough chunks for 16 readers, few enough to keep call order
 
