@@ -27,6 +27,12 @@ several runs (e.g. several device calls) into one table. The process exits with 
 Tiny CPU run of every configuration's code path (caps ignored; meaningless numbers, so target
 lines read MISSED and it exits 8; --prompt-steps 3 makes it quicker):
     RINGSWAP_COMFYUI_DIR=$PWD/.comfyui .venv/bin/python bench/compare.py --small
+--workflow: the workflow cell instead (issue 53, compare_workflow.py): the distilled Wan 2.2
+recipe as users run it, two experts (two files of --layers blocks, seeds EXPERT_SEEDS) each
+with a LoRA, first and next prompt, for ComfyUI alone and RingSwap; its own table and target
+lines (compare_workflow_report.py); by default 32,760 tokens, 4 + 4 steps, cfg 1, 12 GiB,
+halved link, rank 64, the configurations of compare_plan.WORKFLOW:
+    RINGSWAP_COMFYUI_DIR=$PWD/.comfyui .venv/bin/python bench/compare.py --small --workflow
 """
 from __future__ import annotations
 
@@ -46,8 +52,9 @@ from ram_ballast import RamBallast, swapped_out_pages  # noqa: E402
 from compare_table import rounds_joined, scenario, table  # noqa: E402
 from compare_targets import missed, targets  # noqa: E402
 import compare_cache  # noqa: E402
-from compare_plan import (GROUPS, add_prompt_options, config_at, dry_run, estimate, plan_cells,  # noqa: E402,F401
-                          prompt_steps, rates_s)
+from compare_plan import (EXPERT_SEEDS, GROUPS, add_prompt_options, add_workflow_options, config_at,  # noqa: E402,F401
+                          dry_run, estimate, plan_cells, prompt_steps, rates_s, workflow_defaults)
+from compare_workflow_report import outputs, workflow_table, workflow_targets  # noqa: E402
 
 # the exit status when a target line reads MISSED: apart from a crash (1), argparse (2), pytest's
 # 0-5 and timeout's 124+ in device_run.sh's summary
@@ -62,14 +69,17 @@ def runtime(a) -> str:
         os.path.join(common.REPO, os.environ.get("RINGSWAP_WHEELS_DIR", ".whl"))) else "local"
 
 
-def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
-    """The command and environment of one cell's process, on its ComfyUI version."""
+def child_command(a, cell: dict, path: str, low: str | None = None) -> tuple[list[str], dict]:
+    """The command and environment of one cell's process, on its ComfyUI version; a workflow
+    cell's second expert is the file `low`, its latents go under the cell's --latent-dir."""
     cfg = CONFIGS[cell["config"]]
     # on the CPU a ballast holds nothing: RingSwap's cap is emulated by a window of 2 blocks
     window = 2 if a.small and cell["cap_gib"] else a.window
     opts = ["--child", cell["config"], "--path", path, "--window", str(window), "--cfg", str(cell.get("cfg", 1.0)),
             *common.child_args(a, ["device", "prompt_steps", "disk_steps", "workers", "ctx_len", "tokens", "rerun",
-                                    "rerun_steps", "lora_rank", "compile", "experts", "compress"])]
+                                    "rerun_steps", "lora_rank", "compile", "experts", "compress", "workflow"])]
+    if cell.get("workflow"):
+        opts += ["--low-path", low or path, "--latent-dir", latent_dir(a, cell)]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
     if runtime(a) == "device":
@@ -79,6 +89,23 @@ def child_command(a, cell: dict, path: str) -> tuple[list[str], dict]:
     return [sys.executable, script, *opts], env
 
 
+def latent_dir(a, cell: dict) -> str:
+    """Where a workflow cell's process saves its final latents (one folder per run and cell)."""
+    run = "".join(ch if ch.isalnum() else "_" for ch in str(cell.get("run", "")))
+    name = "_".join(str(cell.get(k, "")) for k in ("format", "cfg", "link", "config", "cap_gib", "round"))
+    return os.path.join(a.dir, "latents", run, "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name))
+
+
+def model_paths(a, fmt: str, workflow: bool) -> list[str]:
+    """The cells' model file (a workflow cell: its two experts, one file each), written where missing."""
+    from gguf_model import is_gguf_format, wan14b_gguf
+    from model_file import wan14b_file
+    if is_gguf_format(fmt):
+        return [wan14b_gguf(a.dir, fmt, a.small, layers_small=4)]
+    return [wan14b_file(a.dir, fmt, a.small, a.device, layers_small=4, layers=a.layers, seed=s)
+            for s in (EXPERT_SEEDS if workflow else EXPERT_SEEDS[:1])]
+
+
 def disk_rates(path: str, a) -> list[dict]:
     """The disk's own O_DIRECT rate over --odirect-gb of the file, after a cache drop, with
     one reader and with --workers readers."""
@@ -86,14 +113,21 @@ def disk_rates(path: str, a) -> list[dict]:
     return [odirect_rate(path, int(a.odirect_gb * 1e9), True, "auto", t) for t in sorted({1, a.workers})]
 
 
-def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
-    """One cell: ballast (cap) first, then its process; the result merged into `cell`."""
+def run_cell(a, cell: dict, paths: list[str], deadline: float) -> dict:
+    """One cell: ballast (cap) first, then its process; the result merged into `cell`. `paths`:
+    its model file, or a workflow cell's two."""
+    path = paths[0]
     if CONFIGS[cell["config"]].kind == "disk" or cell.get("ram_gb"):   # held to the disk's own rate
         cell["odirect"] = disk_rates(path, a)
         common.say("[compare] O_DIRECT: " + ", ".join(f"{o['gbps']:.2f} GB/s ({o['mode']})" for o in cell["odirect"]))
-    cmd, env = child_command(a, cell, path)
+    cmd, env = child_command(a, cell, path, paths[-1])
     t0 = time.perf_counter()
-    compare_cache.prepare(a, cell, path)   # warm: the file read whole; --cold: the page cache dropped
+    caches = []
+    for p in paths:   # warm: each file read whole; --cold: the page cache dropped
+        compare_cache.prepare(a, cell, p)
+        caches.append(cell.get("page_cache"))
+    if len(paths) > 1 and caches[0]:
+        cell["page_cache"] = "; ".join(caches)
     halved = cell.get("link", "full") == "halved" and a.device == "cuda"
     if cell.get("ram_gb"):   # a smaller machine: cold page cache, all but ram_gb of the RAM locked away
         from io_rates import drop_page_cache
@@ -123,9 +157,14 @@ def run_cell(a, cell: dict, path: str, deadline: float) -> dict:
 def save(a, cells: list[dict], env: dict) -> tuple[str, list[str]]:
     """Write the report (the table, then one target line per RingSwap row) to --json and --md;
     return it and its target lines that read MISSED."""
+    outputs(cells)   # the workflow cells' final latents against ComfyUI alone's
     joined = rounds_joined(cells)
-    out = compare_cache.header(joined) + table(joined, small=a.small, link_gbps=env.get("h2d_gbps"))
-    judged = targets(joined, env.get("h2d_gbps"), a.workers)
+    plain, flows = [c for c in joined if not c.get("workflow")], [c for c in joined if c.get("workflow")]
+    out = compare_cache.header(joined)
+    out += table(plain, small=a.small, link_gbps=env.get("h2d_gbps")) if plain or not flows else ""
+    out += ("\n\n" if plain else "") + workflow_table(flows, a.small) if flows else ""
+    judged = "\n".join(t for t in (targets(plain, env.get("h2d_gbps"), a.workers),
+                                   workflow_targets(flows, env.get("h2d_gbps"))) if t)
     out += "\n\nTargets:\n" + judged if judged else ""
     common.write_json(a.json, {"env": env, "args": vars(a), "cells": cells, "table": out})
     if a.md:
@@ -184,9 +223,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cfgs", type=float, nargs="+", default=[1.0],
                     help="cfg of the sampling runs, one set of cells each (cfg > 1: cond + uncond a step)")
     ap.add_argument("--cfg", type=float, default=1.0, help=argparse.SUPPRESS)
-    ap.add_argument("--lora-rank", type=int, default=0,
+    ap.add_argument("--lora-rank", type=int, default=None,
                     help="a LoRA of this rank on every block linear, applied as LoraLoaderModelOnly does, "
-                         "to the sampled configurations (0 = none)")
+                         "to the sampled configurations (0 = none; default 0, with --workflow 64)")
     ap.add_argument("--compile", default=None, metavar="BACKEND",
                     help="compile the sampled configurations as ComfyUI's TorchCompileModel does (e.g. inductor)")
     ap.add_argument("--rams", type=float, nargs="+", default=[0.0],
@@ -194,9 +233,11 @@ def parser() -> argparse.ArgumentParser:
                          "GB machine), page cache dropped first; 0 = all of it")
     ap.add_argument("--experts", type=int, default=1, choices=[1, 2],
                     help="2: the RingSwap Loader kinds sample two models of the file, Wan 2.2 style")
-    ap.add_argument("--links", nargs="+", default=["full"], choices=["full", "halved"],
+    ap.add_argument("--links", nargs="+", default=None, choices=["full", "halved"],
                     help="halved: a second process copies pinned memory to the GPU in a loop beside the cell "
-                         "(bench/link_load.py: a PCIe 4.0-class link on the H200)")
+                         "(bench/link_load.py: a PCIe 4.0-class link on the H200); default full, with --workflow "
+                         "halved")
+    add_workflow_options(ap)
     ap.add_argument("--resident-on-link", action="store_true",
                     help="also run the uncapped resident cells beside the link load of --links halved; the "
                          "streamed cells are then held to the resident run on their own emulated machine")
@@ -215,29 +256,26 @@ def parser() -> argparse.ArgumentParser:
 def run_cells(a, cells: list[dict], env: dict, deadline: float) -> None:
     """Each cell in turn, its model file written first where the budget allows; the report
     saved after every cell (a part killed at its time limit keeps what it measured)."""
-    from gguf_model import is_gguf_format, wan14b_gguf
-    from model_file import wan14b_file
     measured: dict[tuple, float] = {}
     paths, rates = {}, env.setdefault("read_rates", {})
     for cell in cells:
-        fmt = cell["format"]
+        fmt, files = cell["format"], (cell["format"], bool(cell.get("workflow")))
         left = deadline - time.perf_counter()
         est = estimate(cell, measured, a) + (0.0 if fmt in rates else rates_s(a))
-        if fmt not in paths and left > est:
-            paths[fmt] = wan14b_gguf(a.dir, fmt, a.small, layers_small=4) if is_gguf_format(fmt) \
-                else wan14b_file(a.dir, fmt, a.small, a.device, layers_small=4)
+        if files not in paths and left > est:
+            paths[files] = model_paths(a, fmt, files[1])
             left = deadline - time.perf_counter()
-        if est > left or fmt not in paths:
+        if est > left or files not in paths:
             cell["skipped"] = f"not run (budget): ~{est:.0f} s > {max(0.0, left):.0f} s left"
             common.say(f"[compare] {fmt}/{cell['config']}@{cell['cap_gib']:g}: {cell['skipped']}")
         else:
             common.say(f"[compare] {fmt}/cfg {cell['cfg']:g}/{cell['link']}/{cell['config']}@{cell['cap_gib']:g}"
                        + (f" round {cell['round'] + 1}" if "round" in cell else "") + f" (~{est:.0f} s)")
             if fmt not in rates:   # once per format, in the same call as its cells
-                rates[fmt] = compare_cache.read_rates(a, paths[fmt])
+                rates[fmt] = compare_cache.read_rates(a, paths[files][0])
             cell.update(run=env["run"], read_rates=compare_cache.compact(rates[fmt]))
-            run_cell(a, cell, paths[fmt], deadline)
-            measured[(CONFIGS[cell["config"]].kind, fmt)] = cell["cell_wall_s"]
+            run_cell(a, cell, paths[files], deadline)
+            measured[(CONFIGS[cell["config"]].kind, fmt, files[1])] = cell["cell_wall_s"]
             if "error" in cell:
                 common.say(f"[compare] FAILED (rc {cell.get('rc')}): {cell['error'][-1500:]}")
         save(a, cells, env)
@@ -248,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     target line of the report reads MISSED."""
     a = parser().parse_args(argv)
     a.prompt_steps, a.steps = prompt_steps(a), None
+    workflow_defaults(a)
     if a.small:   # two workloads in one process, as on the GPU
         a.ctx_len, a.tokens = 16, a.tokens or [64, 256]
     a.formats = a.formats or (["fp32"] if a.small else ["bf16"])

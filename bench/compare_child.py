@@ -15,10 +15,12 @@ Kinds of configuration:
 --experts 2 (loader, auto, disk): Wan 2.2 style, two models loaded apart from the file (a first
 prompt loads both; the next prompt's two first steps are the expert switches timed), the
 first sampling the first half of the steps and the second the rest; the switch and each
-expert's pinned bytes are reported. Per workload: one prompt of --prompt-steps steps (home=disk:
-1 + --disk-steps), one sampling call; its first step apart, s/step the mean of the rest
-(common.steady_s); TTFS and the prompt's wall (prompt_figures: the first workload's include the
-node's load, later workloads' start at their sampling call); RingSwap's log lines;
+expert's pinned bytes are reported. --workflow: compare_workflow.py's cell instead (two files,
+a LoRA each, first and next prompt, as users run Wan 2.2). Per workload: one prompt of
+--prompt-steps steps (home=disk: 1 + --disk-steps), one sampling call; its first step apart,
+s/step the mean of the rest (common.steady_s); TTFS and the prompt's wall (prompt_figures: the
+first workload's include the node's load, later workloads' start at their sampling call);
+RingSwap's log lines;
 with --rerun, one more sampling run of 1 + --rerun-steps steps (the next prompt: its first step,
 what ComfyUI's load costs again, its s/step planned with what the first run measured, and its
 log lines);
@@ -282,7 +284,11 @@ def cold_for_disk(cfg: Config, a) -> None:
 
 
 def child(a) -> dict:
-    """Measure configuration `a.child` at every workload in `a.tokens`."""
+    """Measure configuration `a.child` at every workload in `a.tokens` (--workflow: the Wan 2.2
+    recipe as users run it, compare_workflow.py)."""
+    if getattr(a, "workflow", False):
+        from compare_workflow import workflow_child
+        return workflow_child(a)
     cfg = CONFIGS[a.child]
     mm = start_comfy(cfg, a.device)
     log = comfy_start.RingSwapLines()

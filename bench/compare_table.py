@@ -18,11 +18,12 @@ HEADERS = ["format, cfg, link", "cap GiB", "configuration", "tokens", "s/step", 
 
 
 def scenario(c: dict) -> tuple:
-    """(format with LoRA rank and compile backend, cfg, link) of a cell: the workload it ran
-    (cells of older runs: no LoRA, not compiled, cfg 1, full link)."""
+    """(format with LoRA rank, compile backend, experts or the workflow, depth, ..., cfg, link) of a
+    cell: the workload it ran (cells of older runs: no LoRA, not compiled, cfg 1, full link)."""
     lora = f" + LoRA rank {c['lora_rank']}" if c.get("lora_rank") else ""
     compiled = f" + compile {c['compile']}" if c.get("compile") else ""
-    experts = f", {c['experts']} experts" if c.get("experts", 1) > 1 else ""
+    experts = f", {c['experts']} experts" if c.get("experts", 1) > 1 else ", Wan 2.2 workflow" if c.get("workflow") else ""
+    experts += f", {c['layers']} blocks" if c.get("layers", 40) != 40 else ""
     ram = f", RAM {c['ram_gb']:g} GB" if c.get("ram_gb") else ""
     compress = f", compress {c['compress']}" if c.get("compress") else ""
     cold = ", cold" if c.get("cold") else ""
@@ -31,7 +32,7 @@ def scenario(c: dict) -> tuple:
 
 def rounds_joined(cells: list[dict]) -> list[dict]:
     """The cells of several rounds (--repeat) as one cell per format, configuration and cap:
-    the first measured round's cell, each row's s/step, TTFS and prompt wall the median over the
+    the first measured round's cell, each row's s/step, TTFS and prompts' walls the median over the
     measured rounds and the rounds' own s/step kept in `s_rounds`."""
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
@@ -45,7 +46,9 @@ def rounds_joined(cells: list[dict]) -> list[dict]:
         joined = dict(measured[0], rows=[])
         for r in measured[0]["rows"]:
             row = dict(r)
-            for key in ("s_per_step", "ttfs_s", "first_prompt_s"):
+            for key in ("s_per_step", "ttfs_s", "first_prompt_s", "next_prompt_s"):
+                if key not in r:
+                    continue
                 runs = [v for c in measured for x in c["rows"] if x["tokens"] == r["tokens"] and (v := x.get(key))]
                 row[key] = statistics.median(runs) if runs else None
                 if key == "s_per_step":

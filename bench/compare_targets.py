@@ -23,7 +23,7 @@ TTFS_REF = "comfy-0.33-dyn"   # what a RingSwap row's TTFS and first prompt are 
 
 def _rows(cells: list[dict], kinds: tuple[str, ...]):
     for c in cells:
-        if CONFIGS[c["config"]].kind in kinds and c.get("cap_gib"):
+        if CONFIGS[c["config"]].kind in kinds and c.get("cap_gib") and not c.get("workflow"):   # its own lines
             for r in c.get("rows", []):
                 if r.get("s_per_step"):
                     yield c, r

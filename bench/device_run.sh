@@ -35,6 +35,13 @@
 # tokens, a 20-step first prompt: TTFS and its wall; ComfyUI dynamic VRAM, RingSwap Patch on 0.33, the
 # Loader and ComfyUI on 0.3.75; warm page cache / --cold; ~7.5 / ~8.5 min). The compare parts run 5-step
 # prompts unless ARGS give --prompt-steps.
+# compare-workflow-12h (issue 53, the workflow cell as users run it: Wan 2.2's two experts, a rank-64 LoRA on
+# every block linear of each, 4 + 4 steps at cfg 1 as KSamplerAdvanced splits them, 32,760 tokens, 12 GiB, halved
+# link; first and next prompt of ComfyUI alone and RingSwap on 0.33 dynamic VRAM (Patch, Loader home=auto) and
+# 0.3.75 (Loader home=auto); HALF-DEPTH experts of 20 blocks (two 14.3 GB bf16 files, ~32 s to write) so the five
+# cells fit one call: ~6.5 min by --dry-run, limit 540 s); compare-workflow-12h-full-033 / -full-075 (the same with
+# the 40-block Wan-14B experts, 28.6 GB each, ComfyUI 0.33 dynamic VRAM in both as the first prompt's reference:
+# ~7 min each; the two files need 57 GB of the disk, so run them on a machine without the 20-block files).
 # compare-fp8-12h / compare-fp8-lora (scaled fp8, 12 GiB, halved link, cfg 1, without and with a
 # rank-64 LoRA on every block linear through the stock LoRA loader; ~6 min each; merge the two).
 # compare-compile (ComfyUI's TorchCompileModel, inductor: resident and RingSwap at 24 GiB, ~9 min).
@@ -141,6 +148,12 @@ for p in "$@"; do
                              --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-loader-0.3.75@12 comfy-0.3.75@12 ;;
     compare-cfg1-12h) compare cfg1_12h 230 --tokens 7800 --cfgs 1 --links halved --caps 12 --rerun --rerun-steps 3 \
                         --configs comfy-0.33-dyn@0 rs-patch-0.33-dyn comfy-0.33-dyn ;;
+    compare-workflow-12h) compare workflow_12h 540 --workflow --layers 20 --prompt-steps 8 --configs comfy-0.33-dyn@12 \
+                            rs-patch-0.33-dyn@12 rs-auto-0.33-dyn@12 comfy-0.3.75@12 rs-auto-0.3.75@12 ;;
+    compare-workflow-12h-full-033) compare workflow_12h_full_033 540 --workflow --prompt-steps 8 --configs \
+                                     comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-auto-0.33-dyn@12 ;;
+    compare-workflow-12h-full-075) compare workflow_12h_full_075 540 --workflow --prompt-steps 8 --configs \
+                                     comfy-0.33-dyn@12 comfy-0.3.75@12 rs-auto-0.3.75@12 ;;
     compare-fp8-12h) compare fp8_12h 420 --formats scaled_fp8 --tokens 7800 --cfgs 1 --links halved --caps 12 \
                        --configs rs-loader-0.33-dyn comfy-0.33-dyn rs-loader-0.3.75 comfy-0.3.75 ;;
     compare-fp8-lora) compare fp8_lora 420 --formats scaled_fp8 --tokens 7800 --cfgs 1 --links halved --caps 12 \
@@ -198,7 +211,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/probes/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-workflow-12h compare-workflow-12h-full-033 compare-workflow-12h-full-075 compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do

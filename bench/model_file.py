@@ -29,14 +29,17 @@ ST_RANK = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16"
            "F32", "F64", "I64", "U64"]
 
 
-def wan14b_file(directory: str, fmt: str, small: bool, device: str, layers_small: int = 2) -> str:
-    """A Wan-2.1-14B-shaped file in `fmt` (tiny with `small`) under `directory`, written once."""
-    layers, dim, ffn = (layers_small, 128, 256) if small else (40, 5120, 13824)
+def wan14b_file(directory: str, fmt: str, small: bool, device: str, layers_small: int = 2, layers: int = 40,
+                seed: int = 0) -> str:
+    """A Wan-2.1-14B-shaped file in `fmt` (tiny with `small`) under `directory`, written once;
+    `layers` blocks (fewer: a shallower model of the same width), weights from `seed` (another
+    seed: another model of the same shape, e.g. Wan 2.2's second expert)."""
+    layers, dim, ffn = (layers_small, 128, 256) if small else (layers, 5120, 13824)
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"wan_{fmt}_l{layers}_d{dim}.safetensors")
+    path = os.path.join(directory, f"wan_{fmt}_l{layers}_d{dim}" + (f"_s{seed}" if seed else "") + ".safetensors")
     if not os.path.exists(path):
         import quant_files
-        wa = argparse.Namespace(layers=layers, dim=dim, ffn=ffn, seed=0, small=small)
+        wa = argparse.Namespace(layers=layers, dim=dim, ffn=ffn, seed=seed, small=small)
         info = write_model(path, fmt, wa, torch.device(device), quant_files, wan_template(layers, dim, ffn), 3 << 30)
         say(f"wrote {path}: {info}")
     return path
