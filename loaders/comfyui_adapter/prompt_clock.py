@@ -14,10 +14,11 @@ _mark: tuple[object, float] | None = None   # (the prompt, when a RingSwap node 
 
 
 def node_started() -> None:
-    """A RingSwap node of the running prompt starts: the prompt's clock starts, if not yet."""
+    """A RingSwap node of the running prompt starts: the prompt's clock starts, if not yet. Without
+    a server (ComfyUI in-process) prompts cannot be told apart: the clock starts again."""
     global _mark
     prompt = comfy_server.running_prompt()
-    if _mark is None or _mark[0] != prompt:
+    if _mark is None or _mark[0] != prompt or prompt is None:
         _mark = (prompt, time.perf_counter())
 
 
