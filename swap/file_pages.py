@@ -5,8 +5,8 @@ it before the read fills it (2-5 GB/s on the device machine, whatever the reader
 already in the page cache holds those bytes: mapped, a block's tensors are views of it, and
 cudaHostRegister (read-only) page-locks them at 26 GB/s, after which they copy to the GPU at the
 link's rate (bench/probes/map_rates.py). So a block whose tensors are the file's bytes as they are
-(nothing missing; a tensor the model holds in another dtype is cast on the GPU as it lands, from
-the bytes the file has) gets a MappedBlock as its home: nothing is read, nothing is copied in
+(a tensor the model holds in another dtype is cast on the GPU as it lands, from the bytes the file
+has; a scalar the file lacks is written beside) gets a MappedBlock as its home: nothing is read, nothing is copied in
 RAM, and the pages are the ones ComfyUI's own mapping of the file uses too. A home registers only
 the pages wholly inside its bytes (two registrations may not share a page, and a copy may not span
 registered and unregistered memory): the few bytes in the pages it shares with its neighbours are
@@ -80,12 +80,15 @@ def _itemsize(dtype: torch.dtype) -> int:
 class MappedBlock:
     """One block's home in the file's pages: `parts` are (file offset, length in the file, offset in
     the block's layout[, (file dtype, model dtype) where the model holds it in another dtype: cast
-    where it lands, on the GPU]). Offers what a home buffer does (pin, unpin, pinned, nbytes,
-    locked_bytes)."""
+    where it lands, on the GPU]); `values` (tensor, offset in the layout) the few values the model
+    holds that the file lacks (scaled fp8's `scale_input`), written where the block lands. Offers
+    what a home buffer does (pin, unpin, pinned, nbytes, locked_bytes)."""
 
-    def __init__(self, pages: FilePages, parts: list[tuple], nbytes: int):
+    def __init__(self, pages: FilePages, parts: list[tuple], nbytes: int,
+                 values: list[tuple[torch.Tensor, int]] = ()):
         self.pages, self.nbytes = pages, nbytes
         self.parts = [(p[0], p[1], p[2], p[3] if len(p) > 3 else None) for p in parts]
+        self.values = [(v.reshape(-1).view(torch.uint8), d) for v, d in values]   # (bytes, offset): not in the file
         self.start = min(p[0] for p in parts)
         self.end = max(p[0] + p[1] for p in parts)
         self.pinned = False
@@ -143,6 +146,8 @@ class MappedBlock:
             if out.device.type != "cpu":
                 src = self.pages.scratch(n, out.device).copy_(src, non_blocking=True)
             dst.copy_(src.view(cast[0]))
+        for value, d in self.values:
+            out[d:d + value.numel()].copy_(value, non_blocking=True)
 
     def __del__(self):
         try:

@@ -104,12 +104,9 @@ class BlockReads:
 
     def mapped(self, block: int) -> MappedBlock | None:
         """The block's home in the file's own pages (swap/file_pages.py; a tensor held in another
-        dtype is cast as it lands), or None where the block holds a value the file lacks."""
-        if self.constants[block] or not (self.direct[block] or self.cast[block]):
-            if not self._said:
-                self._said = True
-                log.info("RingSwap: %s: blocks keep RAM homes read from the file, not the file's own pages: "
-                         "the model holds a value the file does not have", self.index.path)
+        dtype is cast as it lands, a scalar the file lacks written beside), or None where the file
+        holds nothing of the block or CUDA will not page-lock its pages."""
+        if not (self.direct[block] or self.cast[block]):
             return None
         if self._pages is None:
             self._pages = FilePages(self.index.path, self.reader.check_unchanged)
@@ -122,7 +119,9 @@ class BlockReads:
         home = self._mapped.get(block)
         if home is None:
             casts = [(info.start, info.nbytes, e.offset, (info.dtype, e.dtype)) for info, e in self.cast[block]]
-            home = self._mapped[block] = MappedBlock(self._pages, self.direct[block] + casts, self._nbytes[block])
+            values = [(value, e.offset) for value, e in self.constants[block]]
+            home = self._mapped[block] = MappedBlock(self._pages, self.direct[block] + casts, self._nbytes[block],
+                                                     values)
         return home
 
     def read_block(self, block: int, dest: torch.Tensor) -> Future:

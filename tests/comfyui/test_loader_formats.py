@@ -33,9 +33,11 @@ def files(tmp_path_factory):
 
 def swapped_outputs(path, window=2, prefetch=1):
     outs = {}
-    for home in ("ram", "disk"):
+    for home in ("ram", "disk", "auto"):   # auto: homes in the file's pages (a scalar the file lacks written beside)
         model = load_swapped_model(path, SwapSettings(window, prefetch, "auto"), home=home, disk_workers=2)
         outs[home] = [forward(model, *inputs(seed=s)) for s in range(2)]
+        if home == "auto":   # every streamed block's home is the file's pages, whatever the format
+            assert set(model.swap_engine.pool.mapped) == set(model.swap_engine.plan.streamed) > set()
         comfy.model_management.unload_all_models()
     return outs
 

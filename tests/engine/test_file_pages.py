@@ -89,10 +89,13 @@ def test_a_tensor_held_in_another_dtype_is_cast_as_it_lands(tmp_path):
     path = os.path.join(tmp_path, "c.bin")
     with open(path, "wb") as f:
         f.write(bytes(6) + values.view(torch.uint8).numpy().tobytes())
-    home = MappedBlock(FilePages(path), [(6, 6000, 512, (torch.bfloat16, torch.float32))], 512 + 12000)
+    scale = torch.tensor(0.25)   # a scalar the file lacks (scaled fp8's scale_input): written beside
+    home = MappedBlock(FilePages(path), [(6, 6000, 512, (torch.bfloat16, torch.float32))], 512 + 12000,
+                       [(scale, 0)])
     out = torch.zeros(512 + 12000, dtype=torch.uint8)
     home.copy_into(out)
-    assert torch.equal(out[512:].view(torch.float32), values.float()) and not out[:512].any()
+    assert torch.equal(out[512:].view(torch.float32), values.float()) and not out[4:512].any()
+    assert out[:4].view(torch.float32).item() == 0.25
     if torch.cuda.is_available():   # through the device scratch buffer
         dev = torch.zeros_like(out, device="cuda")
         home.copy_into(dev)
