@@ -3,7 +3,6 @@ first-prompt columns and the report's header of read rates from crafted cells, t
 lines (ok, MISSED, or no same-call reference to hold them to) and the exit status they give,
 --cold / --prompt-steps / the older --steps, and the page-cache helpers on a small file."""
 import copy
-import json
 import os
 import sys
 
@@ -16,6 +15,7 @@ import compare  # noqa: E402
 import compare_cache  # noqa: E402
 import compare_table  # noqa: E402
 import compare_targets  # noqa: E402
+from merged import merged  # noqa: E402
 
 RUN = "2026-12-06 09:00:00 pid 1"
 RATES = {"file_bytes": 28.6e9, "pinned_best_gbps": 10.0, "pinned_gbps": [[1, 4.0], [4, 9.0], [8, 10.0], [16, 9.5]]}
@@ -128,10 +128,9 @@ def test_a_missed_ttfs_target_fails_the_merged_report(tmp_path):
     bad = copy.deepcopy(good)
     bad["cells"][1]["rows"][0]["ttfs_s"] = 25.0
     for data, status in ((good, 0), (bad, compare.MISSED_EXIT)):
-        path = tmp_path / "cells.json"
-        path.write_text(json.dumps(data))
-        assert compare.main(["--merge", str(path), "--json", str(tmp_path / "out.json")]) == status
-        report = json.loads((tmp_path / "out.json").read_text())["table"]
+        got, out = merged(tmp_path, data)
+        assert got == status
+        report = out["table"]
         assert report.startswith(f"Run {RUN}, bf16, warm") and "| TTFS s | first prompt s (20 steps) |" in report
 
 

@@ -4,7 +4,6 @@ against ComfyUI alone's, its options and cells, and the child's figures and KSam
 split with a stand-in sampler (no ComfyUI)."""
 import copy
 import hashlib
-import json
 import os
 import sys
 import types
@@ -21,6 +20,7 @@ import compare_plan  # noqa: E402
 import compare_table  # noqa: E402
 import compare_workflow  # noqa: E402
 import compare_workflow_report as report  # noqa: E402
+from merged import merged  # noqa: E402
 
 RUN = "2026-12-07 09:00:00 pid 1"
 SCENARIO = "bf16 + LoRA rank 64, Wan 2.2 workflow, 20 blocks"
@@ -157,10 +157,8 @@ def test_a_missed_workflow_target_fails_the_merged_report(tmp_path):
     bad = copy.deepcopy(good)
     bad["cells"][1]["rows"][0]["next_prompt_s"] = 19.0
     for data, status in ((good, 0), (bad, compare.MISSED_EXIT)):
-        path = tmp_path / "cells.json"
-        path.write_text(json.dumps(data))
-        assert compare.main(["--merge", str(path), "--json", str(tmp_path / "out.json")]) == status
-        out = json.loads((tmp_path / "out.json").read_text())
+        got, out = merged(tmp_path, data)
+        assert got == status
         assert out["table"].startswith("Workflow cells (Wan 2.2's two experts")
         assert "| s/step | x floor |" not in out["table"]   # no plain cells: no plain table
         assert "\nTargets:\n- bf16 + LoRA rank 64, Wan 2.2 workflow" in out["table"]
