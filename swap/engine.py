@@ -138,7 +138,6 @@ class BlockSwapEngine(BlockLoop):
             self.detach()
         t0 = time.perf_counter()
         placing = [i for i in plan.resident if self.states[i].device_buffer is None]
-        stream_first = stream_first and self.read_block is not None and not compress
         report = progress if stream_first else read_progress(self.states, self.pool, keep | set(placing), progress) \
             if self.read_block is not None else None
         self._map_homes(keep | (frozenset(placing) if stream_first else frozenset()), compress)
@@ -182,8 +181,7 @@ class BlockSwapEngine(BlockLoop):
         the resident blocks from the file and the homes in `fills` arrive during the first call
         (swap/first_use.py), which settles at its end."""
         plan, device, on_land = att.plan, att.device, att.on_land
-        later = [i for i in placing if not self.pool.has(i) or i in fills or i in self.pool.mapped] \
-            if stream_first else []
+        later = [i for i in placing if not self.pool.has(i) or i in self.pool.mapped] if stream_first else []
         now = [i for i in placing if i not in later]
         try:
             if file_streamed or any(not self.pool.has(i) for i in placing):
@@ -195,7 +193,7 @@ class BlockSwapEngine(BlockLoop):
                 pinning.join()
             if later or fills:
                 placement.reserve(self.states, later, device)
-                att.memory = expected_memory(self.homes, att, plan.streamed)
+                att.memory = expected_memory(self.homes, self.pool, att)
                 att.first_use = FirstUse(self.states, self.pool, self.read_block, att, later, fills, pinning,
                                          pin=device.type == "cuda" and att.pin_memory != "off",
                                          placed=partial(self._placed_first, att), guard=self._loading,

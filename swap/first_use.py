@@ -46,7 +46,6 @@ class FirstUse:
         self.progress, self.shown = progress, -1   # progress(bytes in, bytes of the blocks the call lands)
         self.todo = deque(sorted(set(placing) | set(homes)))
         self.placing = set(placing)
-        self.placing_all = frozenset(placing)
         self.flight: set[int] = set()   # resident blocks whose staging read is submitted, not yet placed
         self.fills: dict[int, Fill] = {}   # the homes this load reads, by block
         self.pinner = ThreadPoolExecutor(2, thread_name_prefix="ringswap-pin") if pin else None
@@ -55,6 +54,9 @@ class FirstUse:
         self.t0 = time.perf_counter()
         self.reads_done = self.t0   # when the last read finished
         self.pin_s = 0.0            # page-locking time, summed over the pinning threads
+        self.total = sum(states[i].layout.nbytes for i in self.todo)   # what the progress counts to
+        self.placed_bytes = 0
+        self.streamed_homes = [i for i in homes if i not in self.placing]   # in once read
         for i in homes:   # untouched mappings: no RAM until read into
             buf = HostBuffer(states[i].layout.nbytes)
             fill = Fill(buf, lambda i=i, buf=buf: self._read_home(i, buf))
@@ -89,13 +91,11 @@ class FirstUse:
     def _report(self) -> None:
         if self.progress is None:
             return
-        size = [s.layout.nbytes for s in self.states]
-        total = sum(size[i] for i in self.placing_all) + sum(size[i] for i in self.fills)
-        done = sum(size[i] for i in self.placing_all - self.placing) + \
-            sum(size[i] for i, f in self.fills.items() if f.future.done())
+        done = self.placed_bytes + sum(self.states[i].layout.nbytes for i in self.streamed_homes
+                                       if self.fills[i].future.done())
         if done != self.shown:
             self.shown = done
-            self.progress(done, total)
+            self.progress(done, self.total)
 
     def _read_home(self, block: int, buf: HostBuffer) -> None:
         """Read `block` into its home `buf`, then page-lock it (on the pinning threads); the
@@ -169,6 +169,7 @@ class FirstUse:
         s.binding.bind(s.layout.views(s.device_buffer))
         att.copier.compute_wait(ready)
         self.placing.discard(block)
+        self.placed_bytes += nbytes
         self.flight.discard(block)
         if block in self.todo:
             self.todo.remove(block)

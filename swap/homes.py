@@ -226,16 +226,13 @@ class FillingHome(Home):
     def finish(self, slot: Slot, att: Attachment, wait: bool = True) -> None:
         if not slot.reading:
             return
-        fill = self.pool.filling[self.s.index]
-        if not wait and not fill.future.done():
+        done = self.pool.filling[self.s.index].future.done()
+        if not wait and not done:
             return
-        if not fill.future.done():
-            t0 = time.perf_counter()
-            fill.start()
-            fill.wait()
+        t0 = time.perf_counter()
+        self.pool.adopt(self.s.index)   # starts the read where it was not, waits for it, raises its error
+        if not done:
             att.stats.read_wait_s += time.perf_counter() - t0
-        self.pool.adopt(self.s.index)
-        att.stats.bytes_read += self.s.layout.nbytes
         RamHome(self.s, self.pool).start(slot, att)
 
 
@@ -286,10 +283,8 @@ def pump(att: Attachment, states: list[BlockState], pool: HostPool, read_on: boo
     staging buffers)."""
     readahead = att.readahead
     for slot in att.ring.slots:
-        if slot.reading and slot.owner in pool.filling:
-            FillingHome(states[slot.owner], pool).finish(slot, att, wait=False)
-        elif slot.reading:
-            _land_read(slot, att, states, wait=False)
+        if slot.reading:
+            home_of(states, pool, slot.owner).finish(slot, att, wait=False)
     if readahead is None:
         return
     if not read_on:

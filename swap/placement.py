@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .coding import Coding
 import torch
 
+from .coding import Coding
 from .homes import home_of
 from .host_pool import HostPool, empty_bytes
 from .staged_copy import PinnedChunks

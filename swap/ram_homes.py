@@ -144,11 +144,8 @@ def settle(policy: HomePolicy, states: list[BlockState], pool: HostPool, att: At
     the RAM homes that stream; "disk" where all come from the file), and where the home `policy`
     splits RAM, each home the attachment does not keep drops itself (no host copy of a resident
     block) and a read-ahead no streamed block needs goes."""
-    keep, plan = att.ram_homes, att.plan
-    from_ram = [i for i in plan.streamed if i in keep]
-    file_streamed = len(from_ram) < len(plan.streamed)
-    att.memory = "disk" if policy.keeps_none or (file_streamed and not from_ram) else \
-        copy_memory(states, pool, att.device, from_ram, att.pin_memory)
+    keep, file_streamed = att.ram_homes, _from_ram(att)[1]
+    att.memory = _memory(policy, states, pool, att, lock=True)
     if policy.splits_ram:
         for s in states:
             home_of(states, pool, s.index).settle(s.index in keep)
@@ -157,30 +154,40 @@ def settle(policy: HomePolicy, states: list[BlockState], pool: HostPool, att: At
             att.readahead = None
 
 
-def expected_memory(policy: HomePolicy, att: Attachment, streamed: tuple[int, ...]) -> str:
+def expected_memory(policy: HomePolicy, pool: HostPool, att: Attachment) -> str:
     """The copy memory `settle` will find for an attachment whose homes are still being read
     (swap/first_use.py): page-locked where pinning is on (settle finds "staged" only where it fails)."""
-    from_ram = [i for i in streamed if i in att.ram_homes]
-    if policy.keeps_none or (len(from_ram) < len(streamed) and not from_ram):
+    return _memory(policy, [], pool, att, lock=False)
+
+
+def _from_ram(att: Attachment) -> tuple[list[int], bool]:
+    """The attachment's streamed blocks with a RAM home, and whether others read the file."""
+    from_ram = [i for i in att.plan.streamed if i in att.ram_homes]
+    return from_ram, len(from_ram) < len(att.plan.streamed)
+
+
+def _memory(policy: HomePolicy, states: list, pool: HostPool, att: Attachment, lock: bool) -> str:
+    """"disk" where every streamed block comes from the file, else copy_memory's word."""
+    from_ram, file_streamed = _from_ram(att)
+    if policy.keeps_none or (file_streamed and not from_ram):
         return "disk"
-    if not from_ram:
-        return "pageable"
-    if att.device.type != "cuda":
-        return "staged"
-    return "pageable" if att.pin_memory == "off" else "pinned"
+    return copy_memory(states, pool, att.device, from_ram, att.pin_memory, lock)
 
 
-def copy_memory(states: list, pool: HostPool, device: torch.device, streamed: list[int], pin_memory: str) -> str:
+def copy_memory(states: list, pool: HostPool, device: torch.device, streamed: list[int], pin_memory: str,
+                lock: bool = True) -> str:
     """How the copies of the `streamed` blocks leave their RAM homes: "pinned", "staged" or
-    "pageable" (the engine says "disk" where every streamed block comes from the file)."""
+    "pageable" (the engine says "disk" where every streamed block comes from the file); without
+    `lock`, the word where page-locking them will succeed, nothing pinned or unpinned."""
     if not streamed:
         return "pinned" if pool.pinned_bytes else "pageable"
     if device.type != "cuda":
         return "staged"
     if pin_memory == "off":
-        pool.unpin_all()
+        if lock:
+            pool.unpin_all()
         return "pageable"
-    if pool.pin(list(streamed)):
+    if not lock or pool.pin(list(streamed)):
         return "pinned"
     gib = sum(states[i].layout.nbytes for i in streamed) / 2**30
     if pin_memory == "on":

@@ -64,6 +64,7 @@ class BlockReads:
         self.direct: list[list[tuple[int, int, int]]] = []
         self.cast: list[list[tuple]] = []
         self.constants: list[list[tuple]] = []
+        self._nbytes: list[int] = []   # each block's bytes in its layout (a mapped home's size)
         for block, key_prefix in zip(blocks, block_keys):
             layout = BlockLayout.of(block)
             initial = BlockBinding(block, layout).current()
@@ -87,6 +88,7 @@ class BlockReads:
             self.direct.append(direct)
             self.cast.append(cast)
             self.constants.append(constants)
+            self._nbytes.append(layout.nbytes)
         self._cast_plan = [_plan_casts(cast) for cast in self.cast]
         # one thread per reader worker: blocks read ahead in parallel also when they hold
         # tensors to cast (a single thread would read such blocks one at a time)
@@ -97,7 +99,6 @@ class BlockReads:
         self._cast_bufs: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(max(1, reader.workers // CAST_SHARE)):
             self._cast_bufs.put(mapped_bytes(0))
-        self._nbytes = [BlockLayout.of(b).nbytes for b in blocks]
         self._pages: FilePages | None = None
         self._mapped: dict[int, MappedBlock] = {}
         self._said = False   # why the blocks cannot be mapped, logged once
