@@ -82,11 +82,14 @@ def child_command(a, cell: dict, path: str, low: str | None = None) -> tuple[lis
         opts += ["--low-path", low or path, "--latent-dir", latent_dir(a, cell)]
     env = dict(os.environ, RINGSWAP_DYNAMIC_VRAM="1" if cfg.dynamic else "0", PYTHONUNBUFFERED="1")
     script = os.path.abspath(__file__)
+    if os.environ.get("RINGSWAP_BENCH_PROFILE"):   # a folder: each cell's process under cProfile there
+        out = os.path.join(os.environ["RINGSWAP_BENCH_PROFILE"], cell["config"].replace("@", "_") + ".prof")
+        script = f"-m cProfile -o {out} {script}"
     if runtime(a) == "device":
         setup = 'export RINGSWAP_COMFY="$1"; shift; source scripts/device_setup.sh >&2 && exec "$@"'
-        return ["bash", "-c", setup, "_", cfg.comfy, "python3", script, *opts], env
+        return ["bash", "-c", setup, "_", cfg.comfy, "python3", *script.split(), *opts], env
     env["RINGSWAP_COMFYUI_DIR"] = a.comfy_033 if cfg.comfy == "0.33" else a.comfy_0375
-    return [sys.executable, script, *opts], env
+    return [sys.executable, *script.split(), *opts], env
 
 
 def latent_dir(a, cell: dict) -> str:

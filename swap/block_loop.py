@@ -32,7 +32,7 @@ class BlockLoop:
         """Give `slot` to `block`; the block's home lands it there once the previous owner is done."""
         att = self.att
         slot.owner = block
-        slot.landed, slot.replaced = False, None
+        slot.landed, slot.replaced, slot.pending = False, None, None
         att.stats.copies += 1
         att.stats.bytes_copied += self.states[block].layout.nbytes
         self._home(block).start(slot, att)
@@ -57,6 +57,9 @@ class BlockLoop:
         if slot.reading:   # only a file read is left to land
             self._home(block).finish(slot, att)
         att.copier.compute_wait(slot.ready, block if self.in_order else None)
+        if slot.pending is not None:   # casts on the land stream: a kernel on the copy stream would wait
+            left, slot.pending = slot.pending, None
+            att.copier.landed(left, ready=slot.ready, sample=False)
         s = self.states[block]
         s.slot = slot
         if att.on_land is not None and not slot.landed:

@@ -5,8 +5,9 @@ it before the read fills it (2-5 GB/s on the device machine, whatever the reader
 already in the page cache holds those bytes: mapped, a block's tensors are views of it, and
 cudaHostRegister (read-only) page-locks them at 26 GB/s, after which they copy to the GPU at the
 link's rate (bench/probes/map_rates.py). So a block whose tensors are the file's bytes as they are
-(a tensor the model holds in another dtype is cast on the GPU as it lands, from the bytes the file
-has; a scalar the file lacks is written beside) gets a MappedBlock as its home: nothing is read, nothing is copied in
+(a tensor the model holds in another dtype crosses the link as the file has it and is cast on the GPU
+by the stream that uses the block, never on the copy stream, where a kernel would wait for the
+compute's; a scalar the file lacks is written beside) gets a MappedBlock as its home: nothing is read, nothing is copied in
 RAM, and the pages are the ones ComfyUI's own mapping of the file uses too. A home registers only
 the pages wholly inside its bytes (two registrations may not share a page, and a copy may not span
 registered and unregistered memory): the few bytes in the pages it shares with its neighbours are
@@ -39,7 +40,6 @@ class FilePages:
         with warnings.catch_warnings():   # read-only memory: nothing here writes it
             warnings.simplefilter("ignore", UserWarning)
             self.data = torch.frombuffer(self.map, dtype=torch.uint8)
-        self._scratch: dict[torch.device, torch.Tensor] = {}
         self._pinnable: bool | None = None
 
     def pinnable(self) -> bool:
@@ -53,22 +53,21 @@ class FilePages:
             self._pinnable = budget is not False
         return self._pinnable
 
-    def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """Device bytes a tensor to cast lands in before its cast: one buffer per device, grown to
-        the largest such tensor (used on the copy stream only, so one at a time; not in the plan's
-        device bytes: Wan 14B's largest is 0.14 GB, inside the plan's reserve)."""
-        buf = self._scratch.get(device)
-        if buf is None or buf.numel() < nbytes:
-            buf = self._scratch[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes]
-
     def close(self) -> None:
-        self._scratch = {}
         self.data = None
         try:
             self.map.close()
         except BufferError:   # a view still exported (a block bound to it): freed with it
             pass
+
+
+def _cast(casts: list[tuple]) -> None:
+    """Cast each (destination, its bytes as the file holds them, the file's dtype) on the current
+    stream; a device buffer the bytes crossed in is kept until this stream is done with it."""
+    for dst, raw, dtype in casts:
+        if raw.is_cuda and raw.data_ptr() != dst.data_ptr():
+            raw.record_stream(torch.cuda.current_stream(raw.device))
+        dst.copy_(raw.view(dtype))
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -118,34 +117,42 @@ class MappedBlock:
             unregister(self.pages.data[a:].data_ptr(), self._budget)
             self.pinned, self._range = False, (0, 0)
 
-    def pieces(self) -> list[tuple]:
-        """`parts` split where the registered range begins and ends (a copy is either all
-        page-locked or all pageable; a page boundary falls between two elements)."""
+    def cuts(self, s: int, n: int) -> list[tuple[int, int]]:
+        """The file range [s, s + n) split where the registered range begins and ends (a copy is
+        either all page-locked or all pageable; a page boundary falls between two elements)."""
         a, b = self._range if self.pinned else (0, 0)
-        out = []
-        for s, n, d, cast in self.parts:
-            cuts = sorted({s, s + n} | {c for c in (a, b) if s < c < s + n})
-            f, t = (_itemsize(cast[0]), _itemsize(cast[1])) if cast is not None else (1, 1)
-            out += [(x, y - x, d + (x - s) // f * t, cast) for x, y in zip(cuts, cuts[1:])]
-        return out
+        cuts = sorted({s, s + n} | {c for c in (a, b) if s < c < s + n})
+        return list(zip(cuts, cuts[1:]))
 
-    def copy_into(self, out: torch.Tensor) -> None:
-        """Copy the block's bytes into `out` (its layout; on the current stream, async where pinned);
-        a tensor to cast crosses the link as the file has it and is cast on the device, through
-        a scratch buffer (on the CPU, in place)."""
+    def land(self, out: torch.Tensor) -> Callable[[], None] | None:
+        """Copy the block's bytes into `out` (its layout; on the current stream, async where pinned).
+        A tensor to cast crosses as the file has it: into its own place where the sizes agree (bf16
+        and fp16), else into a device buffer of its own. Returns the casts left to do, in place, on
+        the stream that will use the block once this stream's copies are done (None: nothing left;
+        on the CPU they are done here)."""
         self.pages.check()
-        data = self.pages.data
-        for s, n, d, cast in self.pieces():
-            if cast is None:
-                out[d:d + n].copy_(data[s:s + n], non_blocking=True)
-                continue
-            dst = out[d:d + n // _itemsize(cast[0]) * _itemsize(cast[1])].view(cast[1])
-            src = data[s:s + n]
-            if out.device.type != "cpu":
-                src = self.pages.scratch(n, out.device).copy_(src, non_blocking=True)
-            dst.copy_(src.view(cast[0]))
+        data, on_device, casts = self.pages.data, out.device.type != "cpu", []
+        for s, n, d, cast in self.parts:
+            f, t = (_itemsize(cast[0]), _itemsize(cast[1])) if cast is not None else (1, 1)
+            raw = out[d:d + n] if f == t else torch.empty(n, dtype=torch.uint8, device=out.device) \
+                if on_device else data[s:s + n]
+            if raw.data_ptr() != data[s:s + n].data_ptr():
+                for x, y in self.cuts(s, n):
+                    raw[x - s:y - s].copy_(data[x:y], non_blocking=True)
+            if cast is not None:
+                casts.append((out[d:d + n // f * t].view(cast[1]), raw, cast[0]))
         for value, d in self.values:
             out[d:d + value.numel()].copy_(value, non_blocking=True)
+        if casts and not on_device:
+            _cast(casts)
+        return (lambda: _cast(casts)) if casts and on_device else None
+
+    def copy_into(self, out: torch.Tensor) -> None:
+        """Copy and cast the block's bytes into `out`, all on the current stream (placing up front,
+        reading into RAM)."""
+        left = self.land(out)
+        if left is not None:
+            left()
 
     def __del__(self):
         try:

@@ -154,8 +154,10 @@ class FirstUse:
             pin = self.pins.pop(block, None)
             if pin is not None:
                 pin.result()
-            out = s.device_buffer
-            ready = att.copier.enqueue(lambda: mapped.copy_into(out), None, timed=False)
+            out, left = s.device_buffer, []
+            ready = att.copier.enqueue(lambda: left.append(mapped.land(out)), None, timed=False)
+            if left[0] is not None:   # its casts on the land stream, the compute waits for them
+                att.copier.landed(left[0], ready=ready, sample=False)
         elif block in self.fills:   # its RAM home is read first (home=ram), then copied from there
             src = self.pool.adopt(block).flat if self.pool.filling.get(block) is self.fills[block] \
                 else self.pool.buffer(block).flat

@@ -204,8 +204,9 @@ class MappedHome(Home):
 
     def start(self, slot: Slot, att: Attachment) -> None:
         slot.reading = False
-        flat = slot.flat
-        slot.ready = att.copier.enqueue(lambda: self.mapped.copy_into(flat), slot.free)
+        flat, left = slot.flat, []
+        slot.ready = att.copier.enqueue(lambda: left.append(self.mapped.land(flat)), slot.free)
+        slot.pending = left[0]   # its casts, done where it lands (block_loop._land)
 
     def _place(self, out: torch.Tensor, att: Attachment, chunks: PinnedChunks) -> int:
         att.copier.enqueue(lambda: self.mapped.copy_into(out), None)

@@ -26,6 +26,7 @@ class Slot:
     free: object = None                   # event: the previous owner's compute is done
     reading: bool = False                 # the owner comes from the file and is not copied yet
     landed: bool = False                  # on_land has run for the current owner
+    pending: object = None                # casts left to do on landing (a home in the file's pages)
     replaced: dict | None = None          # what on_land had the current owner bind instead (attr -> tensor)
     dense: DenseArena | None = None       # where on_land cuts those from (its dense weights)
     _views: dict = field(default_factory=dict)

@@ -2,6 +2,7 @@
 as they are is copied from a read-only mapping, piece by piece, into its layout; nothing is read.
 Exact at every window, with the first call streaming; on CUDA the pages wholly inside a home are
 page-locked in place and given back at detach."""
+import copy
 import os
 
 import pytest
@@ -38,6 +39,25 @@ def write_file(blocks, path, gap=3):
     return lambda i: homes[i]
 
 
+def write_file_cast(blocks, path):
+    """Each block's tensors written back to back as bf16 (the blocks hold fp16): map_block over
+    homes whose every part is cast as it lands."""
+    parts, raw = [], bytearray()
+    for b in blocks:
+        layout = BlockLayout.of(b)
+        mine = []
+        for e, t in zip(layout.entries, BlockBinding(b, layout).current()):
+            data = t.detach().to(torch.bfloat16).reshape(-1).view(torch.uint8).numpy().tobytes()
+            mine.append((len(raw), len(data), e.offset, (torch.bfloat16, torch.float16)))
+            raw += data
+        parts.append((mine, layout.nbytes))
+    with open(path, "wb") as f:
+        f.write(raw)
+    pages = FilePages(path)
+    homes = [MappedBlock(pages, p, n) for p, n in parts]
+    return lambda i: homes[i]
+
+
 @pytest.mark.parametrize("stream_first", [False, True])
 def test_mapped_homes_are_exact_and_read_nothing(tmp_path, stream_first):
     ref = run(make_blocks(), X)
@@ -63,43 +83,69 @@ def test_mapped_homes_are_exact_and_read_nothing(tmp_path, stream_first):
             engine.release_home()
 
 
-def test_pieces_split_where_the_registered_pages_begin_and_end(tmp_path):
+def test_copies_split_where_the_registered_pages_begin_and_end(tmp_path):
     """A home registers only the pages wholly inside its bytes (neighbours share the others): a
     copy is never part registered and part not."""
     path = os.path.join(tmp_path, "p.bin")
     with open(path, "wb") as f:
         f.write(bytes(10 * PAGE))
     home = MappedBlock(FilePages(path), [(100, PAGE, 0), (PAGE + 100, 2 * PAGE, PAGE)], 3 * PAGE)
-    assert home.pieces() == home.parts == [(100, PAGE, 0, None), (PAGE + 100, 2 * PAGE, PAGE, None)]
+    assert home.cuts(100, PAGE) == [(100, PAGE + 100)]
     home._range, home.pinned = (PAGE, 3 * PAGE), True   # as pin() registers: pages 1 and 2
-    assert home.pieces() == [(100, PAGE - 100, 0, None), (PAGE, 100, PAGE - 100, None),
-                             (PAGE + 100, 2 * PAGE - 100, PAGE, None), (3 * PAGE, 100, 3 * PAGE - 100, None)]
-    home.pinned = False
-    cast = (torch.bfloat16, torch.float32)   # two bytes in the file, four in the layout: offsets scale
-    home = MappedBlock(FilePages(path), [(PAGE - 8, 16, 64, cast)], 96)
-    home._range, home.pinned = (PAGE, 2 * PAGE), True
-    assert home.pieces() == [(PAGE - 8, 8, 64, cast), (PAGE, 8, 80, cast)]
+    assert home.cuts(100, PAGE) == [(100, PAGE), (PAGE, PAGE + 100)]
+    assert home.cuts(PAGE + 100, 2 * PAGE) == [(PAGE + 100, 3 * PAGE), (3 * PAGE, 3 * PAGE + 100)]
+    assert home.cuts(PAGE - 8, 2 * PAGE + 16) == [(PAGE - 8, PAGE), (PAGE, 3 * PAGE), (3 * PAGE, 3 * PAGE + 8)]
     home.pinned = False
 
 
-def test_a_tensor_held_in_another_dtype_is_cast_as_it_lands(tmp_path):
-    """The file's bf16 bytes, the model's fp32 tensor: the home copies and casts them into the layout,
-    exactly as a cast on read would."""
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16])
+def test_a_tensor_held_in_another_dtype_is_cast_as_it_lands(tmp_path, model_dtype):
+    """The file's bf16 bytes, the model's fp32 (a size apart) or fp16 (the same size, as ComfyUI 0.33
+    builds Wan from a bf16 file) tensor: the home copies and casts them into the layout, exactly as a
+    cast on read would. On a GPU the copy leaves the casts to the stream that uses the block."""
     values = torch.randn(3000).to(torch.bfloat16)
     path = os.path.join(tmp_path, "c.bin")
     with open(path, "wb") as f:
         f.write(bytes(6) + values.view(torch.uint8).numpy().tobytes())
     scale = torch.tensor(0.25)   # a scalar the file lacks (scaled fp8's scale_input): written beside
-    home = MappedBlock(FilePages(path), [(6, 6000, 512, (torch.bfloat16, torch.float32))], 512 + 12000,
-                       [(scale, 0)])
-    out = torch.zeros(512 + 12000, dtype=torch.uint8)
-    home.copy_into(out)
-    assert torch.equal(out[512:].view(torch.float32), values.float()) and not out[4:512].any()
+    size = 3000 * torch.empty(0, dtype=model_dtype).element_size()
+    home = MappedBlock(FilePages(path), [(6, 6000, 512, (torch.bfloat16, model_dtype))], 512 + size, [(scale, 0)])
+    out = torch.zeros(512 + size, dtype=torch.uint8)
+    assert home.land(out) is None   # on the CPU: cast already
+    assert torch.equal(out[512:].view(model_dtype), values.to(model_dtype)) and not out[4:512].any()
     assert out[:4].view(torch.float32).item() == 0.25
-    if torch.cuda.is_available():   # through the device scratch buffer
+    if torch.cuda.is_available():
         dev = torch.zeros_like(out, device="cuda")
+        left = home.land(dev)
+        assert left is not None
+        land = torch.cuda.Stream()
+        land.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(land):
+            left()
+        torch.cuda.current_stream().wait_stream(land)
+        assert torch.equal(dev.cpu(), out)
+        dev.zero_()
         home.copy_into(dev)
         assert torch.equal(dev.cpu(), out)
+
+
+def test_homes_cast_as_they_land_are_exact_at_every_window(tmp_path):
+    """Blocks held in fp16 whose file holds bf16 (ComfyUI 0.33's Wan): mapped, cast where each block
+    lands; exact against the same blocks loaded at once, on the CPU and on a GPU."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        for window in (1, 3, N):
+            for stream_first in (False, True):
+                blocks = make_blocks().to(torch.bfloat16).to(torch.float16)   # the file's values, held in fp16
+                ref = run(copy.deepcopy(blocks).to(device), X.to(device, torch.float16))
+                map_block = write_file_cast(blocks, os.path.join(tmp_path, f"h{device}{window}{stream_first}.bin"))
+                engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home="auto",
+                                         disk_workers=2, map_block=map_block)
+                engine.attach(device, load_plan(ResidencyPlan.make(N, window, 1), stream_first=stream_first))
+                for _ in range(3):
+                    assert torch.equal(run(blocks, X.to(device, torch.float16)), ref), (device, window, stream_first)
+                engine.detach()
+                engine.release_home()
 
 
 @pytest.mark.gpu
@@ -110,11 +156,11 @@ def test_mapped_homes_on_cuda_are_page_locked_and_exact(tmp_path):
     map_block = write_file(blocks, os.path.join(tmp_path, "c.bin"), gap=3000)   # blocks over several pages
     engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home="auto", disk_workers=2,
                              map_block=map_block)
+    assert map_block(0).pages.pinnable()   # asked before any page is registered, as the loader does
     engine.attach("cuda", load_plan(ResidencyPlan.make(N, 2, 1), stream_first=True))
     for _ in range(3):
         assert torch.equal(run(blocks, X.cuda()), ref)
     assert engine.memory == "pinned" and all(engine.pool.mapped[i].pinned for i in engine.plan.streamed)
-    assert engine.pool.mapped[engine.plan.streamed[0]].pages.pinnable()
     engine.detach()
     assert engine.pool.pinned_bytes == 0
     engine.release_home()
