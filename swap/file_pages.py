@@ -128,8 +128,8 @@ class MappedBlock:
         """Copy the block's bytes into `out` (its layout; on the current stream, async where pinned).
         A tensor to cast crosses as the file has it: into its own place where the sizes agree (bf16
         and fp16), else into a device buffer of its own. Returns the casts left to do, in place, on
-        the stream that will use the block once this stream's copies are done (None: nothing left;
-        on the CPU they are done here)."""
+        the stream that will use the block once this stream's copies are done (None: nothing left);
+        on the CPU too, so that one path serves both."""
         self.pages.check()
         data, on_device, casts = self.pages.data, out.device.type != "cpu", []
         for s, n, d, cast in self.parts:
@@ -143,9 +143,7 @@ class MappedBlock:
                 casts.append((out[d:d + n // f * t].view(cast[1]), raw, cast[0]))
         for value, d in self.values:
             out[d:d + value.numel()].copy_(value, non_blocking=True)
-        if casts and not on_device:
-            _cast(casts)
-        return (lambda: _cast(casts)) if casts and on_device else None
+        return (lambda: _cast(casts)) if casts else None
 
     def copy_into(self, out: torch.Tensor) -> None:
         """Copy and cast the block's bytes into `out`, all on the current stream (placing up front,
