@@ -33,6 +33,9 @@ log = logging.getLogger("ringswap.block_reads")
 
 SMALL_CAST = 1 << 20   # cast tensors up to this size are read together with the block
 CAST_SHARE = 4         # one buffer for large casts per this many readers
+# a mapped home's tensors cast to another size cross into device buffers of their own, outside the
+# plan's device bytes: on a GPU a block maps only where those are this small (biases, norms)
+RESIZED_MAX = 16 << 20
 
 
 def _cast_into(dest: torch.Tensor, e, raw: torch.Tensor, info) -> None:
@@ -111,6 +114,10 @@ class BlockReads:
             return None
         if self._pages is None:
             self._pages = FilePages(self.index.path, self.reader.check_unchanged)
+        resized = sum(info.nbytes for info, e in self.cast[block]
+                      if info.dtype.itemsize != e.dtype.itemsize)
+        if torch.cuda.is_available() and resized > RESIZED_MAX:   # e.g. an fp32 file: read and cast in RAM
+            return None
         if torch.cuda.is_available() and not self._pages.pinnable():
             if not self._said:
                 self._said = True

@@ -146,3 +146,21 @@ def test_ram_is_short_where_the_room_cannot_hold_every_block_raw(wan):
     total = load_swapped_model(path, SwapSettings(3, 1), home="auto").swap_engine.total_block_bytes()
     assert short("auto", (total - 1) / 1e9) and not short("auto", (total + 1) / 1e9)
     assert not short("ram", (total - 1) / 1e9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_blocks_cast_to_another_size_on_a_gpu_map_only_where_those_casts_are_small(wan, monkeypatch):
+    """On a GPU a mapped home's tensors cast to another size cross into device buffers outside the
+    plan (block_reads.RESIZED_MAX): over the limit the blocks keep RAM homes read from the file and
+    cast there; exact either way."""
+    from ringswap.loaders.model_file import block_reads
+    path, want = wan
+    for limit, mapped in ((block_reads.RESIZED_MAX, True), (-1, False)):
+        monkeypatch.setattr(block_reads, "RESIZED_MAX", limit)
+        model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
+        engine = model.swap_engine
+        resized = any(i.dtype.itemsize != e.dtype.itemsize for c in engine.read_block.__self__.cast for i, e in c)
+        assert torch.equal(forward(model, *inputs(seed=0)), want)
+        assert bool(engine.pool.mapped) == (mapped or not resized)
+        comfy.model_management.unload_all_models()
