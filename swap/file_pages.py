@@ -11,7 +11,8 @@ compute's; a scalar the file lacks is written beside) gets a MappedBlock as its 
 RAM, and the pages are the ones ComfyUI's own mapping of the file uses too. A home registers only
 the pages wholly inside its bytes (two registrations may not share a page, and a copy may not span
 registered and unregistered memory): the few bytes in the pages it shares with its neighbours are
-copied as pageable memory, in pieces of their own. Written here: no library page-locks a file
+copied once into a small page-locked buffer of its own (a copy from pageable memory would make CUDA
+synchronise the copy stream, holding the block loop to the GPU's pace). Written here: no library page-locks a file
 mapping. Linux and Windows (mmap.ACCESS_READ); where CUDA refuses to register a file's pages
 (`pinnable`) the loader keeps RAM homes read from the file instead.
 """
@@ -23,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from .host_pool import REGISTER_READ_ONLY, register, unregister
+from .host_pool import REGISTER_READ_ONLY, HostBuffer, register, unregister
 
 PAGE = mmap.PAGESIZE
 
@@ -91,11 +92,13 @@ class MappedBlock:
         self.pinned = False
         self._range = (0, 0)
         self._budget = None
+        self._rest: HostBuffer | None = None   # page-locked: the bytes outside the registered pages, the values
+        self._at: dict[int, int] = {}           # file offset (a value: -1 - its index) -> offset in _rest
 
     @property
     def locked_bytes(self) -> int:
         a, b = self._range
-        return b - a if self.pinned else 0
+        return b - a + (self._rest.locked_bytes if self._rest is not None else 0) if self.pinned else 0
 
     def pin(self) -> bool:
         if self.pinned:
@@ -109,13 +112,55 @@ class MappedBlock:
         if budget is False:
             return False
         self._range, self._budget, self.pinned = (a, b), budget, True
+        self._keep_rest()
         return True
+
+    def _keep_rest(self) -> None:
+        """Copy the few bytes outside the registered pages (at most a page at each end) and the
+        values into a small page-locked buffer: a copy from pageable memory makes CUDA synchronise
+        the copy stream first, which would hold the block loop to the GPU's pace. Left pageable
+        where that buffer cannot be page-locked."""
+        pieces = self._outside()
+        if not pieces:
+            return
+        rest = HostBuffer(sum(n for _, n in pieces))
+        if not rest.pin():
+            return
+        pos = 0
+        for key, n in pieces:
+            src = self.pages.data[key:key + n] if key >= 0 else self.values[-1 - key][0]
+            rest.flat[pos:pos + n].copy_(src)
+            self._at[key], pos = pos, pos + n
+        self._rest = rest
+
+    @property
+    def pageable_bytes(self) -> int:
+        """Bytes a copy of the block takes from pageable memory (none once pinned, unless the
+        buffer for the rest could not be page-locked)."""
+        return sum(n for key, n in self._outside() if key not in self._at)
+
+    def _outside(self) -> list[tuple[int, int]]:
+        """(file offset, length) of the pieces outside the registered pages, then (-1 - k, length)
+        of each value."""
+        a, b = self._range if self.pinned else (0, 0)
+        pieces = [(x, y - x) for s, n, _, _ in self.parts for x, y in self.cuts(s, n) if not a <= x < b]
+        return pieces + [(-1 - k, v.numel()) for k, (v, _) in enumerate(self.values)]
+
+    def _source(self, key: int, n: int) -> torch.Tensor:
+        """The bytes at file offset `key` (a value: -1 - its index), from the page-locked rest where kept."""
+        pos = self._at.get(key)
+        if pos is not None:
+            return self._rest.flat[pos:pos + n]
+        return self.pages.data[key:key + n] if key >= 0 else self.values[-1 - key][0]
 
     def unpin(self) -> None:
         if self.pinned:
             a, _ = self._range
             unregister(self.pages.data[a:].data_ptr(), self._budget)
             self.pinned, self._range = False, (0, 0)
+            if self._rest is not None:
+                self._rest.unpin()
+            self._rest, self._at = None, {}
 
     def cuts(self, s: int, n: int) -> list[tuple[int, int]]:
         """The file range [s, s + n) split where the registered range begins and ends (a copy is
@@ -138,11 +183,11 @@ class MappedBlock:
                 if on_device else data[s:s + n]
             if raw.data_ptr() != data[s:s + n].data_ptr():
                 for x, y in self.cuts(s, n):
-                    raw[x - s:y - s].copy_(data[x:y], non_blocking=True)
+                    raw[x - s:y - s].copy_(self._source(x, y - x), non_blocking=True)
             if cast is not None:
                 casts.append((out[d:d + n // f * t].view(cast[1]), raw, cast[0]))
-        for value, d in self.values:
-            out[d:d + value.numel()].copy_(value, non_blocking=True)
+        for k, (value, d) in enumerate(self.values):
+            out[d:d + value.numel()].copy_(self._source(-1 - k, value.numel()), non_blocking=True)
         return (lambda: _cast(casts)) if casts else None
 
     def copy_into(self, out: torch.Tensor) -> None:

@@ -90,7 +90,7 @@ def test_copies_split_where_the_registered_pages_begin_and_end(tmp_path):
     with open(path, "wb") as f:
         f.write(bytes(10 * PAGE))
     home = MappedBlock(FilePages(path), [(100, PAGE, 0), (PAGE + 100, 2 * PAGE, PAGE)], 3 * PAGE)
-    assert home.cuts(100, PAGE) == [(100, PAGE + 100)]
+    assert home.cuts(100, PAGE) == [(100, PAGE + 100)] and home.pageable_bytes == 3 * PAGE
     home._range, home.pinned = (PAGE, 3 * PAGE), True   # as pin() registers: pages 1 and 2
     assert home.cuts(100, PAGE) == [(100, PAGE), (PAGE, PAGE + 100)]
     assert home.cuts(PAGE + 100, 2 * PAGE) == [(PAGE + 100, 3 * PAGE), (3 * PAGE, 3 * PAGE + 100)]
@@ -164,6 +164,8 @@ def test_mapped_homes_on_cuda_are_page_locked_and_exact(tmp_path):
     for _ in range(3):
         assert torch.equal(run(blocks, X.cuda()), ref)
     assert engine.memory == "pinned" and all(engine.pool.mapped[i].pinned for i in engine.plan.streamed)
+    # the bytes outside a home's own pages come from a small page-locked copy: no copy is pageable
+    assert all(engine.pool.mapped[i].pageable_bytes == 0 for i in engine.plan.streamed)
     engine.detach()
     assert engine.pool.pinned_bytes == 0
     engine.release_home()
