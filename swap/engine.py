@@ -142,7 +142,8 @@ class BlockSwapEngine(BlockLoop):
             if self.read_block is not None else None
         self._map_homes(keep | (frozenset(placing) if stream_first else frozenset()), compress)
         fills = [i for i in sorted(keep) if not self.pool.has(i)] if stream_first else []
-        read_back = 0 if stream_first else ensure(self.states, self.pool, self.read_block, keep, report)
+        read_back = 0 if stream_first else ensure(self.states, self.pool, self.read_block, keep, report,
+                                                         hold=not compress)
         file_streamed = [i for i in plan.streamed if i not in keep]
         att = Attachment(device, plan, "", pin_memory, owner, on_land, self.orders.get(plan.streamed), keep)
         att.compress, att.may_code, att.resident_work = compress, may_code, resident_work

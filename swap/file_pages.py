@@ -197,6 +197,14 @@ class MappedBlock:
         if left is not None:
             left()
 
+    def holds(self, tensors: list[torch.Tensor]) -> bool:
+        """The file's pages hold the block whatever its module points at."""
+        return True
+
+    def off_device(self, s) -> None:
+        """Off the device the module holds empty stand-ins (its weights are the file's)."""
+        s.unbind(torch.device("cpu"))
+
     def __del__(self):
         try:
             self.unpin()

@@ -18,6 +18,7 @@ from itertools import islice
 import torch
 
 from .coding import Coding
+from .held_tensors import HeldBlock, holdable
 from .host_pool import HostPool, empty_bytes
 from .page_out import FileMaps
 from .slot_ring import Slot
@@ -63,9 +64,10 @@ class Home:
         if not kept:
             self.pool.drop(self.s.index)
 
-    def capture(self, maps: FileMaps) -> None:
+    def capture(self, maps: FileMaps, hold: bool = True) -> None:
         """Have a RAM home hold the weights the block's module has now and point them there (their
-        file pages given back through `maps`)."""
+        file pages given back through `maps`); with `hold`, the module's own tensors where they can
+        be (not where the homes are coded: those are RAM buffers)."""
         raise NotImplementedError
 
     def detach(self) -> None:
@@ -112,7 +114,7 @@ class RamHome(Home):
     def detach(self) -> None:
         self.s.binding.bind(self.s.layout.views(self.buf.flat))
 
-    def capture(self, maps: FileMaps) -> None:
+    def capture(self, maps: FileMaps, hold: bool = True) -> None:
         """Capture again where the module's tensors were replaced from outside (e.g. another loader
         moved the shared model); the same buffer is reused."""
         current = self.s.binding.current()
@@ -145,7 +147,7 @@ class CodedHome(Home):
         self.coding.land(att.copier, self.coded, out, None)
         return 0
 
-    def capture(self, maps: FileMaps) -> None:
+    def capture(self, maps: FileMaps, hold: bool = True) -> None:
         """Kept coded: its weights are not in the module, nothing to capture."""
 
     @staticmethod
@@ -187,16 +189,21 @@ class FileHome(Home):
         att.readahead.release(staged, att.copier.copy(out, staged.buffer.flat[:nbytes], None))
         return nbytes
 
-    def capture(self, maps: FileMaps) -> None:
-        """A new raw RAM home."""
+    def capture(self, maps: FileMaps, hold: bool = True) -> None:
+        """The module's tensors held as they are where they can be (swap/held_tensors.py: nothing
+        copied), else a new raw RAM home."""
         s = self.s
         current = s.binding.current()
+        if hold and holdable(current, s.layout):
+            self.pool.mapped[s.index] = HeldBlock(current, [e.offset for e in s.layout.entries], s.layout.nbytes)
+            return
         _pack(s, current, self.pool.add(s.index, s.layout.nbytes).flat, maps)
 
 
 class MappedHome(Home):
-    """The block's bytes in the file's own pages (swap/file_pages.py): copied piece by piece
-    (its tensors) into the slot or resident buffer; nothing is read."""
+    """The block's bytes where they already are, in the file's own pages (swap/file_pages.py) or
+    the module's own tensors (swap/held_tensors.py): copied piece by piece (its tensors) into the
+    slot or resident buffer; nothing is read."""
 
     def __init__(self, s: BlockState, pool: HostPool):
         super().__init__(s, pool)
@@ -212,8 +219,16 @@ class MappedHome(Home):
         att.copier.enqueue(lambda: self.mapped.copy_into(out), None)
         return 0
 
-    def capture(self, maps: FileMaps) -> None:
-        """The file's pages are its home: nothing to capture."""
+    def capture(self, maps: FileMaps, hold: bool = True) -> None:
+        """Nothing to capture, unless the module's tensors held as the home were replaced from
+        outside (e.g. another loader moved the shared model: the new ones are held instead) or
+        are to be copied into a RAM home (`hold` false)."""
+        if not self.mapped.holds(self.s.binding.current()) or (not hold and isinstance(self.mapped, HeldBlock)):
+            self.pool.drop(self.s.index)
+            FileHome(self.s, self.pool, []).capture(maps, hold)
+
+    def detach(self) -> None:
+        self.mapped.off_device(self.s)
 
 
 class FillingHome(Home):

@@ -81,13 +81,13 @@ def read_homes(states: list, pool: HostPool, read_block: Callable,
 
 
 def ensure(states: list[BlockState], pool: HostPool, read_block: Callable | None, keep: frozenset[int],
-           progress: Callable[[int, int], None] | None = None) -> int:
+           progress: Callable[[int, int], None] | None = None, hold: bool = True) -> int:
     """The blocks in `keep` have an exact-size RAM home holding their weights: read from the file
-    (home=ram: all, auto: read back), or without a reader captured from the modules' own tensors
-    (every block not on the device: a resident block kept by reattach stays put). Returns the
-    bytes read from the file."""
+    (home=ram: all, auto: read back), or without a reader the modules' own tensors, held as they are
+    where `hold` allows, else captured (every block not on the device: a resident block kept by
+    reattach stays put). Returns the bytes read from the file."""
     if read_block is None:
-        capture(states, pool, [s.index for s in states if s.device_buffer is None])
+        capture(states, pool, [s.index for s in states if s.device_buffer is None], hold)
         return 0
     return read_homes([states[i] for i in sorted(keep)], pool, read_block, progress)
 
@@ -103,13 +103,13 @@ def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: 
     return t
 
 
-def capture(states: list[BlockState], pool: HostPool, blocks: list[int]) -> None:
-    """Give each of `blocks` a home holding its module's current weights and point its parameters
-    there; re-captures a block whose tensors were replaced from outside (e.g. another loader
-    moved the shared model)."""
+def capture(states: list[BlockState], pool: HostPool, blocks: list[int], hold: bool = True) -> None:
+    """Give each of `blocks` a home holding its module's current weights (with `hold` the tensors
+    themselves where they can be, swap/held_tensors.py) and point its parameters there; re-captures
+    a block whose tensors were replaced from outside (e.g. another loader moved the shared model)."""
     maps = FileMaps()   # a model mapped from its file: give back each block's pages once copied
     for i in blocks:
-        home_of(states, pool, i).capture(maps)
+        home_of(states, pool, i).capture(maps, hold)
 
 
 def capture_resident(states: list[BlockState], pool: HostPool, resident: tuple[int, ...], nbytes: int,

@@ -184,10 +184,11 @@ def _rss_file() -> int | None:
 
 @pytest.mark.parametrize("page_out", [True, False])
 def test_capture_from_a_file_mapping_gives_its_pages_back(tmp_path, monkeypatch, page_out):
-    """Blocks whose weights are views of a memory-mapped file (as ComfyUI-GGUF builds them):
-    capturing their homes copies them exactly, and on Linux the file's pages leave the RSS as
-    each block is copied (no file mapping plus a second copy). Without page-out (other systems:
-    FileMaps with no ranges) the capture is as exact."""
+    """Blocks whose weights are views of a memory-mapped file, where they cannot be held as they are
+    (packed, as ComfyUI-GGUF builds them; here held homes are turned off): capturing their homes
+    copies them exactly, and on Linux the file's pages leave the RSS as each block is copied (no
+    file mapping plus a second copy). Without page-out (other systems: FileMaps with no ranges) the
+    capture is as exact."""
     import os
     import warnings
 
@@ -213,8 +214,9 @@ def test_capture_from_a_file_mapping_gives_its_pages_back(tmp_path, monkeypatch,
     touched = _rss_file()
     engine = BlockSwapEngine(list(blocks), home="ram")
     maps = po.FileMaps() if page_out else po.FileMaps(ranges=[])
-    from ringswap.swap import ram_homes
+    from ringswap.swap import homes, ram_homes
     monkeypatch.setattr(ram_homes, "FileMaps", lambda: maps)   # the capture's file mappings: these
+    monkeypatch.setattr(homes, "holdable", lambda *a: False)   # the copy path (held homes: below)
     engine.attach("cpu", load_plan(ResidencyPlan.make(N, 2, 1)))
     assert torch.equal(run(blocks, X), ref)
     engine.detach()
@@ -223,6 +225,31 @@ def test_capture_from_a_file_mapping_gives_its_pages_back(tmp_path, monkeypatch,
     if page_out:   # the copied blocks' file pages left the RSS
         _skip_without_page_out(tmp_path, touched, maps)
         assert touched - after >= 0.8 * N * big, (touched, after)
+
+
+def test_blocks_without_a_file_are_held_in_their_own_tensors(tmp_path):
+    """Without a file to read (the Patch on a MODEL ComfyUI loaded), each block's home is its
+    module's own tensors (swap/held_tensors.py): nothing copied in RAM, the same tensors before and
+    after, exact at every window; a block whose tensors were replaced from outside is held anew."""
+    blocks = make_blocks()
+    ref = run(blocks, X)
+    first = [t.data_ptr() for t in blocks.parameters()]
+    engine = BlockSwapEngine(list(blocks), home="ram")
+    for window in (1, 3, N):
+        engine.attach("cpu", load_plan(ResidencyPlan.make(N, window, 1)))
+        assert set(engine.pool.mapped) == set(range(N)) and not engine.pool.blocks
+        for _ in range(2):
+            assert torch.equal(run(blocks, X), ref), window
+        engine.detach()
+        assert [t.data_ptr() for t in blocks.parameters()] == first   # the module's own tensors again
+    assert engine.pool.mapped[0].pageable_bytes == sum(e.nbytes for e in engine.states[0].layout.entries)   # CPU: none locked
+    blocks[0].lin.weight = torch.nn.Parameter(blocks[0].lin.weight.detach().clone(), requires_grad=False)
+    new = blocks[0].lin.weight.data_ptr()
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 1, 1)))
+    assert any(t.data_ptr() == new for t in engine.pool.mapped[0].tensors)
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+    engine.release_home()
 
 
 def _skip_without_page_out(tmp_path, touched, maps=None) -> None:
