@@ -32,6 +32,11 @@ def write_file(blocks, path, gap=3):
             mine.append((pos + gap, e.nbytes, e.offset))
             pos += gap + e.nbytes
         parts.append((mine, layout.nbytes))
+    return map_blocks(path, raw, parts)
+
+
+def map_blocks(path, raw, parts):
+    """`raw` written to `path`; map_block over a MappedBlock of each block's (parts, bytes)."""
     with open(path, "wb") as f:
         f.write(raw)
     pages = FilePages(path)
@@ -51,11 +56,7 @@ def write_file_cast(blocks, path):
             mine.append((len(raw), len(data), e.offset, (torch.bfloat16, torch.float16)))
             raw += data
         parts.append((mine, layout.nbytes))
-    with open(path, "wb") as f:
-        f.write(raw)
-    pages = FilePages(path)
-    homes = [MappedBlock(pages, p, n) for p, n in parts]
-    return lambda i: homes[i]
+    return map_blocks(path, raw, parts)
 
 
 @pytest.mark.parametrize("stream_first", [False, True])
