@@ -1,6 +1,8 @@
-"""home=auto in the swap engine, on CPU (one GPU test): homes held only where given, read back
+"""home=auto in the swap engine, on CPU (two GPU tests): homes held only where given, read back
 ahead while placing, failures that leave nothing behind, resident blocks kept in RAM, file
-mappings given back."""
+mappings given back; without a file, homes held in the module's own tensors."""
+import copy
+
 import pytest
 import torch
 
@@ -328,3 +330,24 @@ def test_weights_moved_off_a_file_mapping_give_its_pages_back(tmp_path):
     assert torch.equal(model.kept, data[2]) and torch.equal(model.moved, data[0])
     _skip_without_page_out(tmp_path, touched)
     assert gave and touched - _rss_file() >= 0.8 * 2 * big, (gave, touched, _rss_file())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_held_homes_on_cuda_are_page_locked_in_place_and_exact():
+    """On CUDA the held tensors' pages are page-locked in place (large ones registered, the rest in
+    a small page-locked buffer: no copy from pageable memory) and given back at detach; exact."""
+    big = torch.nn.ModuleList([torch.nn.Linear(1024, 1024) for _ in range(N)])   # 4 MiB weights: registered
+    x = torch.randn(4, 1024)
+    cpu_ref = [b(x) for b in big]
+    ref = [b(x.cuda()) for b in copy.deepcopy(big).cuda()]
+    engine = BlockSwapEngine(list(big), home="ram")
+    engine.attach("cuda", load_plan(ResidencyPlan.make(N, 2, 1)))
+    for _ in range(2):
+        assert all(torch.equal(b(x.cuda()), r) for b, r in zip(big, ref))
+    held = [engine.pool.mapped[i] for i in engine.plan.streamed]
+    assert engine.memory == "pinned" and all(h.pinned and h.pageable_bytes == 0 for h in held)
+    engine.detach()
+    assert engine.pool.pinned_bytes == 0
+    assert all(torch.equal(b(x), r) for b, r in zip(big, cpu_ref))   # the module's own tensors again
+    engine.release_home()
