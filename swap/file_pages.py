@@ -197,7 +197,7 @@ class MappedBlock:
         if left is not None:
             left()
 
-    def holds(self, tensors: list[torch.Tensor]) -> bool:
+    def holds(self, tensors: list[torch.Tensor], hold: bool = True) -> bool:
         """The file's pages hold the block whatever its module points at."""
         return True
 

@@ -52,9 +52,10 @@ class HeldBlock:
         self._rest: HostBuffer | None = None
         self._at: dict[tuple[int, int], int] = {}   # (part, start) -> offset in _rest
 
-    def holds(self, tensors: list[torch.Tensor]) -> bool:
-        """Are these (the module's current tensors) the ones held?"""
-        return len(tensors) == len(self.tensors) and all(
+    def holds(self, tensors: list[torch.Tensor], hold: bool = True) -> bool:
+        """Does this stay the home of a block whose module holds `tensors` now: they are the ones
+        held, and `hold` (false: the homes are to be RAM buffers, e.g. to code them)?"""
+        return hold and len(tensors) == len(self.tensors) and all(
             a.data_ptr() == b.data_ptr() for a, b in zip(tensors, self.tensors))
 
     @property

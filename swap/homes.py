@@ -223,7 +223,7 @@ class MappedHome(Home):
         """Nothing to capture, unless the module's tensors held as the home were replaced from
         outside (e.g. another loader moved the shared model: the new ones are held instead) or
         are to be copied into a RAM home (`hold` false)."""
-        if not self.mapped.holds(self.s.binding.current()) or (not hold and isinstance(self.mapped, HeldBlock)):
+        if not self.mapped.holds(self.s.binding.current(), hold):
             self.pool.drop(self.s.index)
             FileHome(self.s, self.pool, []).capture(maps, hold)
 

@@ -15,6 +15,24 @@ def bf16_blocks():
     return make_blocks().to(torch.bfloat16)
 
 
+def test_homes_held_in_the_modules_tensors_are_copied_into_ram_to_code_them():
+    """Without a file the homes are the modules' own tensors (swap/held_tensors.py); an attach that
+    codes copies them into RAM homes and codes those; exact before and after."""
+    blocks = bf16_blocks()
+    ref = run(blocks, X)
+    engine = BlockSwapEngine(list(blocks))
+    engine.coder_factory = ZlibPlanes
+    plan = ResidencyPlan.make(N, 3, 1)
+    engine.attach("cpu", load_plan(plan))
+    assert set(engine.pool.mapped) == set(range(N)) and torch.equal(run(blocks, X), ref)
+    engine.detach()
+    engine.link_bytes_per_s = 0.0   # the run timed the CPU's memcpy, no link: coding pays by size alone
+    engine.attach("cpu", load_plan(plan, compress=True))
+    assert not engine.pool.mapped and set(plan.streamed) <= set(engine.pool.coded)
+    assert torch.equal(run(blocks, X), ref)
+    engine.detach()
+
+
 @pytest.mark.parametrize("home", ["module", "ram", "auto"])
 def test_coded_homes_are_bit_exact_at_every_window_and_prefetch(home):
     blocks = bf16_blocks()
