@@ -90,13 +90,25 @@ def test_copies_split_where_the_registered_pages_begin_and_end(tmp_path):
     path = os.path.join(tmp_path, "p.bin")
     with open(path, "wb") as f:
         f.write(bytes(10 * PAGE))
-    home = MappedBlock(FilePages(path), [(100, PAGE, 0), (PAGE + 100, 2 * PAGE, PAGE)], 3 * PAGE)
-    assert home.cuts(100, PAGE) == [(100, PAGE + 100)] and home.pageable_bytes == 3 * PAGE
-    home._range, home.pinned = (PAGE, 3 * PAGE), True   # as pin() registers: pages 1 and 2
-    assert home.cuts(100, PAGE) == [(100, PAGE), (PAGE, PAGE + 100)]
-    assert home.cuts(PAGE + 100, 2 * PAGE) == [(PAGE + 100, 3 * PAGE), (3 * PAGE, 3 * PAGE + 100)]
-    assert home.cuts(PAGE - 8, 2 * PAGE + 16) == [(PAGE - 8, PAGE), (PAGE, 3 * PAGE), (3 * PAGE, 3 * PAGE + 8)]
-    home.pinned = False
+    pages = FilePages(path)
+
+    def cuts(home, k):   # part k's pieces as file ranges
+        s = home.parts[k][0].data_ptr() - pages.data.data_ptr()
+        return [(s + x, s + y) for j, x, y, _ in home.pieces() if j == k]
+
+    def register_pages_1_and_2(home):   # as pin() registers for a block over [100, 3 * PAGE + 100)
+        home._spans, home.pinned = [(pages.data[PAGE:].data_ptr(), 2 * PAGE, None)], True
+
+    home = MappedBlock(pages, [(100, PAGE, 0), (PAGE + 100, 2 * PAGE, PAGE)], 3 * PAGE)
+    assert cuts(home, 0) == [(100, PAGE + 100)] and home.pageable_bytes == 3 * PAGE
+    register_pages_1_and_2(home)
+    assert cuts(home, 0) == [(100, PAGE), (PAGE, PAGE + 100)]
+    assert cuts(home, 1) == [(PAGE + 100, 3 * PAGE), (3 * PAGE, 3 * PAGE + 100)]
+    home.pinned, home._spans = False, []
+    home = MappedBlock(pages, [(PAGE - 8, 2 * PAGE + 16, 0)], 2 * PAGE + 16)
+    register_pages_1_and_2(home)
+    assert cuts(home, 0) == [(PAGE - 8, PAGE), (PAGE, 3 * PAGE), (3 * PAGE, 3 * PAGE + 8)]
+    home.pinned, home._spans = False, []
 
 
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16])
