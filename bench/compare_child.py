@@ -291,6 +291,8 @@ def child(a) -> dict:
         return workflow_child(a)
     cfg = CONFIGS[a.child]
     mm = start_comfy(cfg, a.device)
+    if cfg.kind in ("patch", "loader", "disk", "auto"):   # as ComfyUI imports its custom nodes at start
+        import ringswap.nodes  # noqa: F401
     log = comfy_start.RingSwapLines()
     dev = mm.get_torch_device()
     warm_cuda_libraries(dev)
