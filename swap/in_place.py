@@ -63,7 +63,9 @@ class InPlace:
                 return False
             self._spans.append((ptr, size, budget))
         self.pinned = True
-        self._keep_rest()
+        if not self._keep_rest():
+            self.unpin()
+            return False
         return True
 
     def unpin(self) -> None:
@@ -84,13 +86,13 @@ class InPlace:
                     for x, y in zip(cuts, cuts[1:])]
         return out
 
-    def _keep_rest(self) -> None:
-        """Copy the bytes outside the registered ranges into a small page-locked buffer (left
-        pageable where it cannot be page-locked)."""
+    def _keep_rest(self) -> bool:
+        """Copy the bytes outside the registered ranges into a small page-locked buffer; False
+        where it cannot be page-locked (over the pin budget: the block is not pinned at all)."""
         outside = [(k, x, y) for k, x, y, inside in self.pieces() if not inside]
         rest = HostBuffer(sum(y - x for _, x, y in outside)) if outside else None
-        if rest is None or not rest.pin():
-            return
+        if rest is not None and not rest.pin():
+            return False
         pos, self._copies = 0, []
         for k, x, y, inside in self.pieces():
             src = self.parts[k][0][x:y]
@@ -99,6 +101,7 @@ class InPlace:
                 src, pos = rest.flat[pos:pos + y - x], pos + y - x
             self._copies.append((k, x, y, src))
         self._rest = rest
+        return True
 
     def _copy_list(self) -> list[tuple[int, int, int, torch.Tensor]]:
         if self._copies is None:
@@ -107,10 +110,8 @@ class InPlace:
 
     @property
     def pageable_bytes(self) -> int:
-        """Bytes a copy of the block takes from pageable memory (none once pinned, unless the
-        buffer for the rest could not be page-locked)."""
-        kept = self._rest is not None
-        return sum(y - x for _, x, y, inside in self.pieces() if not (inside or kept))
+        """Bytes a copy of the block takes from pageable memory (none once pinned)."""
+        return 0 if self.pinned else sum(src.numel() for src, _, _ in self.parts)
 
     def land(self, out: torch.Tensor) -> Callable[[], None] | None:
         """Copy the block's bytes into `out` (its layout; on the current stream, async where pinned).
