@@ -30,7 +30,7 @@ SHAPES = [(DIM, DIM)] * 8 + [(FFN, DIM), (DIM, FFN)] + [(DIM,)] * 12 + [(FFN,)] 
 def block() -> torch.nn.Module:
     m = torch.nn.Module()
     for k, shape in enumerate(SHAPES):
-        m.register_parameter(f"p{k}", torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16), requires_grad=False))
+        m.register_parameter(f"p{k}", torch.nn.Parameter(torch.full(shape, 0.5, dtype=torch.bfloat16), requires_grad=False))
     m.forward = lambda x: x + 1
     return m
 
@@ -70,6 +70,43 @@ def torch_alone() -> None:
         unregister(p, b)
 
 
+def from_file(flags: int) -> None:
+    """Tensors as ComfyUI 0.3.75 loads them (safetensors' safe_open: views of a private mapping of
+    the file), registered with `flags`: 0 breaks copy-on-write (each page copied into a new anonymous
+    one), read-only keeps the page cache's own pages."""
+    import safetensors.torch
+    path = "/tmp/held_copy_block.safetensors"
+    if not os.path.exists(path):
+        safetensors.torch.save_file({f"p{k}": t.contiguous() for k, t in enumerate(block().parameters())}, path)
+    with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+        ts = [f.get_tensor(k) for k in f.keys()]
+    flats = [t.view(-1).view(torch.uint8) for t in ts]
+    nbytes = sum(f.numel() for f in flats)
+    out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    t0 = time.perf_counter()
+    regs = []
+    for f in flats:   # the whole pages inside each tensor, as a held home registers them
+        a = (-f.data_ptr()) % 4096
+        n = (f.numel() - a) // 4096 * 4096
+        if n > 0:
+            regs.append((f.data_ptr() + a, register(f.data_ptr() + a, n, flags), f[a:a + n]))
+    reg_s = time.perf_counter() - t0
+    parts, d = [], 0
+    for _, _, f in regs:
+        parts.append((out[d:d + f.numel()], f))
+        d += f.numel()
+
+    def each():
+        for o, f in parts:
+            o.copy_(f, non_blocking=True)
+    rate = timed(each, d)
+    print(f"file tensors (safe_open), registered with flags {flags} in {reg_s:.2f} s "
+          f"({d / reg_s / 1e9:.1f} GB/s): tensor by tensor {rate:.1f} GB/s")
+    for p, b, _ in regs:
+        if b is not False:
+            unregister(p, b)
+
+
 def engine_rate(hold: bool) -> str:
     blocks = [block() for _ in range(N)]
     if not hold:
@@ -90,6 +127,9 @@ def engine_rate(hold: bool) -> str:
 
 if __name__ == "__main__":
     torch_alone()
+    from ringswap.swap.host_pool import REGISTER_READ_ONLY
+    for flags in (0, REGISTER_READ_ONLY, 0):
+        from_file(flags)
     for hold in (True, False):
         t0 = time.perf_counter()
         print(f"engine, {'held homes' if hold else 'RAM homes'}: {engine_rate(hold)} ({time.perf_counter() - t0:.1f} s)")
