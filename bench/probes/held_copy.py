@@ -107,6 +107,32 @@ def from_file(flags: int) -> None:
             unregister(p, b)
 
 
+def register_threads(path: str, parts: int = 8) -> None:
+    """Page-locking a file's pages in place (read-only, a fresh shared mapping each time, as
+    swap/file_pages.py maps them) with 1 to 8 threads: does cudaHostRegister scale?"""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+    from ringswap.swap.host_pool import REGISTER_READ_ONLY
+    size = os.path.getsize(path) // 4096 * 4096
+    for threads in (1, 2, 4, 8):
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        data = torch.frombuffer(m, dtype=torch.uint8)
+        step = size // parts // 4096 * 4096
+        chunks = [(data[k * step:].data_ptr(), step) for k in range(parts)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            budgets = list(pool.map(lambda c: register(c[0], c[1], REGISTER_READ_ONLY), chunks))
+        dt = time.perf_counter() - t0
+        print(f"register {step * parts / 1e9:.1f} GB of file pages read-only, {threads} threads: "
+              f"{step * parts / dt / 1e9:.1f} GB/s{'' if all(b is not False for b in budgets) else ' (some refused)'}")
+        for (p, _), b in zip(chunks, budgets):
+            if b is not False:
+                unregister(p, b)
+        del data
+        m.close()
+
+
 def engine_rate(hold: bool) -> str:
     blocks = [block() for _ in range(N)]
     if not hold:
@@ -130,6 +156,8 @@ if __name__ == "__main__":
     from ringswap.swap.host_pool import REGISTER_READ_ONLY
     for flags in (0, REGISTER_READ_ONLY, 0):
         from_file(flags)
+    if len(sys.argv) > 1:   # a model file (bench/model_file.py writes one)
+        register_threads(sys.argv[1])
     for hold in (True, False):
         t0 = time.perf_counter()
         print(f"engine, {'held homes' if hold else 'RAM homes'}: {engine_rate(hold)} ({time.perf_counter() - t0:.1f} s)")
