@@ -35,6 +35,8 @@ class BlockLoop:
         slot.landed, slot.replaced, slot.pending = False, None, None
         att.stats.copies += 1
         att.stats.bytes_copied += self.states[block].layout.nbytes
+        if att.first_use is not None:
+            att.first_use.before_copy(block)
         self._home(block).start(slot, att)
 
     def _before_block(self, block: int) -> None:

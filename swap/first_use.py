@@ -14,7 +14,6 @@ load would (swap/block_loop.py, `_settle_first_use`).
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +22,7 @@ from typing import Callable, ContextManager
 
 from .hooks import BlockHooks
 from .host_pool import Fill, HostBuffer, HostPool
+from .ram_homes import EarlyPins
 from .read_ahead import ReadFn
 from .state import Attachment, BlockState
 
@@ -36,7 +36,7 @@ class FirstUse:
     hooks ask `landed` too)."""
 
     def __init__(self, states: list[BlockState], pool: HostPool, read_block: ReadFn, att: Attachment,
-                 placing: list[int], homes: list[int], pinning: threading.Thread | None, pin: bool, placed: Callable[[int], None],
+                 placing: list[int], homes: list[int], pinning: EarlyPins | None, pin: bool, placed: Callable[[int], None],
                  guard: Callable[[], ContextManager] = nullcontext, landed: Callable[[], None] = lambda: None,
                  progress: Callable[[int, int], None] | None = None):
         self.states, self.pool, self.read_block, self.att, self.placed = states, pool, read_block, att, placed
@@ -64,6 +64,12 @@ class FirstUse:
         blocks = [s.block for s in states]
         self.hooks = BlockHooks(blocks, sorted(placing), self._guarded, lambda i: None) if placing else None
         self.pump()
+
+    def before_copy(self, block: int) -> None:
+        """Before a slot copies streamed `block` from its home: the home page-locked first where
+        its pin is in flight (a copy from pageable memory would stall the copy stream)."""
+        if self.pinning is not None:
+            self.pinning.wait(block)
 
     # ----- reads ahead -----------------------------------------------------------------
     def _in_flight(self) -> int:

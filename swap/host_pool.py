@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
 import time
 from concurrent.futures import Future
 from typing import Callable, Protocol
@@ -225,6 +226,7 @@ class HostPool:
         self.coded: dict = {}   # block -> CodedBlock
         self.filling: dict[int, Fill] = {}
         self.mapped: dict = {}   # block -> swap/file_pages.MappedBlock: its bytes are the file's own pages
+        self._rate_lock = threading.Lock()   # lock() may run on several threads at once
         self.pin_rate = (0, 0.0)   # (bytes page-locked so far, the seconds that took): the rate
 
     def has(self, index: int) -> bool:
@@ -292,8 +294,9 @@ class HostPool:
                 done += buf.nbytes
         finally:
             if done:
-                total, secs = self.pin_rate
-                self.pin_rate = (total + done, secs + time.perf_counter() - t0)
+                with self._rate_lock:
+                    total, secs = self.pin_rate
+                    self.pin_rate = (total + done, secs + time.perf_counter() - t0)
         return True
 
     def pin_seconds(self, nbytes: int) -> float:
