@@ -5,8 +5,10 @@ dynamic VRAM) every block needs a home holding its weights. Copying them into ne
 second write of the whole model into memory the OS must zero first (2-5 GB/s on the device machine)
 before the first step. A HeldBlock keeps the block's tensors where they are instead: they are its
 home, copied tensor by tensor into a slot or device buffer, and the module points at them again
-once off the device. Page-locking registers the pages wholly inside each large tensor; the rest
-(small tensors, the partial pages at each end) goes to a small page-locked buffer (swap/in_place.py).
+once off the device. Page-locking registers the pages wholly inside each large tensor, read-only
+where CUDA can (the GPU only reads them; like the rest, held homes assume nothing writes a block's
+weights in place while RingSwap holds them); the rest (small tensors, the partial pages at each end)
+goes to a small page-locked buffer (swap/in_place.py).
 """
 from __future__ import annotations
 
@@ -42,7 +44,9 @@ class HeldBlock(InPlace):
     """One block's home in its module's tensors (`tensors`, at `offsets` in the block's layout of
     `nbytes`): it registers the whole pages inside each tensor of REGISTER_MIN or more
     (swap/in_place.py does the rest); off the device the module points at them again."""
-    FLAGS = (0, REGISTER_READ_ONLY)   # anonymous memory; else a read-only file mapping
+    # read-only first: ComfyUI 0.3.75's tensors are views of a private mapping of the file, and a
+    # writable registration copies each of its pages into a new one (copy-on-write) before locking it
+    FLAGS = (REGISTER_READ_ONLY, 0)
 
     def __init__(self, tensors: list[torch.Tensor], offsets: list[int], nbytes: int):
         self.tensors = tensors
