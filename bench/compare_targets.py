@@ -225,6 +225,20 @@ def _ttfs_line(cells: list[dict], c: dict, r: dict) -> str:
         f"first prompt x{wall:.2f} {TTFS_REF}'s {ref['first_prompt_s']:.1f} s ({'ok' if wall <= 0.9 else 'MISSED'} <= 0.9)"])
 
 
+def _stock_ttfs(cells: list[dict], c: dict, r: dict) -> str:
+    """The Patch on a stock MODEL (no dynamic VRAM: it starts from ComfyUI's own load): its TTFS
+    against that stock MODEL's own in the same call (<= 1.1 x); "" for any other row."""
+    cfg = CONFIGS[c["config"]]
+    if cfg.kind != "patch" or cfg.dynamic:
+        return ""
+    stock = "comfy-" + cfg.comfy
+    ref = _same_call(cells, c, r, stock)
+    if ref is None:
+        return f"no {stock} cell in this call to hold it to"
+    x = r["ttfs_s"] / ref["ttfs_s"]
+    return f"x{x:.2f} {stock}'s own TTFS {ref['ttfs_s']:.2f} s ({'ok' if x <= 1.1 else 'MISSED'} <= 1.1, stock MODEL)"
+
+
 def _has_ttfs(c: dict, r: dict) -> bool:
     """A row held to the TTFS targets: its prompt paid the load, from the run's page cache (not
     home=disk nor under a RAM ballast, which drop it themselves)."""
@@ -258,7 +272,7 @@ def targets(cells: list[dict], link_gbps: float | None, workers: int = 8) -> str
         lines.append(f"- {fmt} cfg {cfg:g} link {link} {c['cap_gib']:g} GiB {c['config']} {r['tokens']:,} tokens "
                      f"{s:.3f} s/step: " + "; ".join(bits))
         if _has_ttfs(c, r):
-            lines.append(_ttfs_line(cells, c, r))
+            lines.append("; ".join(b for b in (_ttfs_line(cells, c, r), _stock_ttfs(cells, c, r)) if b))
     return "\n".join(lines)
 
 

@@ -123,6 +123,19 @@ def test_without_read_rates_the_bound_is_not_judged():
     assert "x0.15 comfy-0.33-dyn's TTFS" in line   # the 0.3.75 Loader is held to it too
 
 
+@pytest.mark.parametrize("ttfs, says", [(14.0, "x0.93 comfy-0.3.75's own TTFS 15.00 s (ok <= 1.1, stock MODEL)"),
+                                         (17.0, "x1.13 comfy-0.3.75's own TTFS 15.00 s (MISSED <= 1.1, stock MODEL)")])
+def test_the_patch_on_a_stock_model_is_held_to_that_models_own_ttfs(ttfs, says):
+    cells = [_cell("comfy-0.33-dyn", 30.0, 55.0), _cell("comfy-0.3.75", 15.0, 40.0), _cell("rs-patch-0.3.75", ttfs, 35.0)]
+    lines = compare_targets.targets(cells, None)
+    line = _line(lines, "- TTFS bf16 cfg 5 link halved 12 GiB rs-patch-0.3.75 7,800 tokens: ")
+    assert line.endswith(says) and "comfy-0.33-dyn's TTFS 30.00 s" in line
+    assert "MISSED" not in says or line in compare_targets.missed(lines)
+    assert "stock MODEL" not in _line(compare_targets.targets([_cell("rs-patch-0.33-dyn", 4.0, 30.0)], None), TTFS_HEAD)
+    alone = _line(compare_targets.targets([_cell("rs-patch-0.3.75", ttfs, 35.0)], None), "- TTFS bf16")
+    assert alone.endswith("no comfy-0.3.75 cell in this call to hold it to")
+
+
 def test_a_missed_ttfs_target_fails_the_merged_report(tmp_path):
     good = {"env": {}, "cells": [_cell("comfy-0.33-dyn", 30.0, 55.0), _cell("rs-patch-0.33-dyn", 4.5, 32.0, 1.05)]}
     bad = copy.deepcopy(good)
