@@ -65,8 +65,12 @@ CONFIGS = {
 
 
 def start_comfy(cfg: Config, device: str):
-    """ComfyUI's modules, started as the configuration says; returns comfy.model_management."""
-    return comfy_start.start_comfy(device, cfg.dynamic, disable_dynamic=cfg.comfy == "0.33" and not cfg.dynamic)
+    """ComfyUI's modules, started as the configuration says (RingSwap's nodes imported, as ComfyUI
+    imports custom nodes at its start, before any load is timed); returns comfy.model_management."""
+    mm = comfy_start.start_comfy(device, cfg.dynamic, disable_dynamic=cfg.comfy == "0.33" and not cfg.dynamic)
+    if cfg.kind in ("patch", "loader", "disk", "auto"):
+        import ringswap.nodes  # noqa: F401
+    return mm
 
 
 def warm_cuda_libraries(dev: torch.device) -> None:
@@ -291,8 +295,6 @@ def child(a) -> dict:
         return workflow_child(a)
     cfg = CONFIGS[a.child]
     mm = start_comfy(cfg, a.device)
-    if cfg.kind in ("patch", "loader", "disk", "auto"):   # as ComfyUI imports its custom nodes at start
-        import ringswap.nodes  # noqa: F401
     log = comfy_start.RingSwapLines()
     dev = mm.get_torch_device()
     warm_cuda_libraries(dev)
