@@ -93,7 +93,7 @@ def ensure(states: list[BlockState], pool: HostPool, read_block: Callable | None
     return read_homes([states[i] for i in sorted(keep)], pool, read_block, progress)
 
 
-PIN_THREADS = 4   # page-locking threads of an attach: one registers a mapped file's pages at ~10 GB/s
+PIN_THREADS = 4   # page-locking threads of an attach (an H100 host registered ~10 GB/s in all: bench/RESULTS.md)
 
 
 class EarlyPins:
