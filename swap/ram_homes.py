@@ -93,7 +93,7 @@ def ensure(states: list[BlockState], pool: HostPool, read_block: Callable | None
     return read_homes([states[i] for i in sorted(keep)], pool, read_block, progress)
 
 
-PIN_THREADS = 4   # page-locking threads of an attach (an H100 host registered ~10 GB/s in all: bench/RESULTS.md)
+PIN_THREADS = 4   # page-locking threads of an attach (~10 GB/s a registration on an H100 host: bench/RESULTS.md)
 
 
 class EarlyPins:
