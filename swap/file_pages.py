@@ -21,10 +21,9 @@ from typing import Callable
 
 import torch
 
-from .host_pool import REGISTER_READ_ONLY, register, unregister
+from .host_pool import PAGE, REGISTER_READ_ONLY, register, unregister, whole_pages
 from .in_place import InPlace
 
-PAGE = mmap.PAGESIZE
 
 
 class FilePages:
@@ -77,7 +76,7 @@ class MappedBlock(InPlace):
                          + [(v.reshape(-1).view(torch.uint8), d, None) for v, d in values], nbytes)
 
     def _wanted(self) -> list[tuple[int, int]]:
-        a, b = (self.start + PAGE - 1) // PAGE * PAGE, self.end // PAGE * PAGE   # its own whole pages
+        a, b = whole_pages(self.start, self.end)   # its own whole pages
         return [(self.pages.data[a:b].data_ptr(), b - a)] if a < b else []
 
     def check(self) -> None:

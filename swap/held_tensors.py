@@ -12,16 +12,13 @@ goes to a small page-locked buffer (swap/in_place.py).
 """
 from __future__ import annotations
 
-import mmap
-
 import torch
 from torch import nn
 
-from .host_pool import REGISTER_READ_ONLY
+from .host_pool import REGISTER_READ_ONLY, whole_pages
 from .in_place import InPlace
 from .layout import BlockLayout
 
-PAGE = mmap.PAGESIZE
 REGISTER_MIN = 1 << 20   # tensors smaller than this go to the page-locked rest instead
 
 
@@ -54,14 +51,8 @@ class HeldBlock(InPlace):
                          nbytes)
 
     def _wanted(self) -> list[tuple[int, int]]:
-        out = []
-        for src, _, _ in self.parts:
-            p, n = src.data_ptr(), src.numel()
-            a = (-p) % PAGE
-            b = a + max(0, n - a) // PAGE * PAGE
-            if b - a >= REGISTER_MIN:
-                out.append((p + a, b - a))
-        return out
+        pages = [whole_pages(src.data_ptr(), src.data_ptr() + src.numel()) for src, _, _ in self.parts]
+        return [(a, b - a) for a, b in pages if b - a >= REGISTER_MIN]
 
     def holds(self, tensors: list[torch.Tensor], hold: bool = True) -> bool:
         """Does this stay the home of a block whose module holds `tensors` now: they are the ones

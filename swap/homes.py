@@ -76,6 +76,16 @@ class Home:
         self.s.unbind(torch.device("cpu"))
 
 
+def _new_home(s: BlockState, pool: HostPool, maps: FileMaps, hold: bool) -> None:
+    """A home for the weights the block's module has now: those tensors held as they are where
+    they can be (swap/held_tensors.py: nothing copied), else a new raw RAM home they are packed into."""
+    current = s.binding.current()
+    if hold and holdable(current, s.layout):
+        pool.mapped[s.index] = HeldBlock(current, [e.offset for e in s.layout.entries], s.layout.nbytes)
+        return
+    _pack(s, current, pool.add(s.index, s.layout.nbytes).flat, maps)
+
+
 def _pack(s: BlockState, current: list, flat: torch.Tensor, maps: FileMaps) -> None:
     """Copy the module's `current` tensors into the home's bytes, bind the block there and give
     the tensors' file pages back."""
@@ -190,14 +200,7 @@ class FileHome(Home):
         return nbytes
 
     def capture(self, maps: FileMaps, hold: bool = True) -> None:
-        """The module's tensors held as they are where they can be (swap/held_tensors.py: nothing
-        copied), else a new raw RAM home."""
-        s = self.s
-        current = s.binding.current()
-        if hold and holdable(current, s.layout):
-            self.pool.mapped[s.index] = HeldBlock(current, [e.offset for e in s.layout.entries], s.layout.nbytes)
-            return
-        _pack(s, current, self.pool.add(s.index, s.layout.nbytes).flat, maps)
+        _new_home(self.s, self.pool, maps, hold)
 
 
 class MappedHome(Home):
@@ -225,7 +228,7 @@ class MappedHome(Home):
         are to be copied into a RAM home (`hold` false)."""
         if not self.mapped.holds(self.s.binding.current(), hold):
             self.pool.drop(self.s.index)
-            FileHome(self.s, self.pool, []).capture(maps, hold)
+            _new_home(self.s, self.pool, maps, hold)
 
     def detach(self) -> None:
         self.mapped.off_device(self.s)

@@ -25,7 +25,13 @@ from torch.overrides import TorchFunctionMode
 
 log = logging.getLogger("ringswap.host_pool")
 
-PAGE = 4096
+PAGE = mmap.PAGESIZE
+
+
+def whole_pages(start: int, end: int) -> tuple[int, int]:
+    """The pages wholly inside the addresses [start, end), as (first byte, end); empty where none."""
+    lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    return (lo, hi) if lo < hi else (lo, lo)
 
 
 class PinBudget(Protocol):

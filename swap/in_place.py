@@ -89,12 +89,13 @@ class InPlace:
     def _keep_rest(self) -> bool:
         """Copy the bytes outside the registered ranges into a small page-locked buffer; False
         where it cannot be page-locked (over the pin budget: the block is not pinned at all)."""
-        outside = [(k, x, y) for k, x, y, inside in self.pieces() if not inside]
-        rest = HostBuffer(sum(y - x for _, x, y in outside)) if outside else None
+        pieces = self.pieces()
+        outside = sum(y - x for _, x, y, inside in pieces if not inside)
+        rest = HostBuffer(outside) if outside else None
         if rest is not None and not rest.pin():
             return False
         pos, self._copies = 0, []
-        for k, x, y, inside in self.pieces():
+        for k, x, y, inside in pieces:
             src = self.parts[k][0][x:y]
             if not inside:
                 rest.flat[pos:pos + y - x].copy_(src)

@@ -14,16 +14,16 @@ from __future__ import annotations
 import bisect
 import ctypes
 import logging
-import mmap
 import sys
 from dataclasses import dataclass
 
 import torch
 
+from .host_pool import PAGE, whole_pages  # noqa: F401  (PAGE: the page size, as the tests read it here)
+
 log = logging.getLogger("ringswap.page_out")
 
 MADV_PAGEOUT = 21
-PAGE = mmap.PAGESIZE
 
 
 def _file_ranges() -> list[tuple[int, int]]:
@@ -71,7 +71,7 @@ class FileMaps:
         for start, end in ranges:
             if self._madvise is None:
                 break
-            lo, hi = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+            lo, hi = whole_pages(start, end)
             if hi <= lo or not self._mapped(start, end):
                 continue
             if self._madvise(lo, hi - lo, MADV_PAGEOUT) != 0:

@@ -103,9 +103,9 @@ class EarlyPins:
     synchronously, stalling the stream. `settle` pins what is left."""
 
     def __init__(self, pool: HostPool, blocks: list[int]):
-        self._pool = ThreadPoolExecutor(min(PIN_THREADS, len(blocks)), thread_name_prefix="ringswap-pin")
-        self.pins = {i: self._pool.submit(pool.lock, [i]) for i in blocks}
-        self._pool.shutdown(wait=False)
+        threads = ThreadPoolExecutor(min(PIN_THREADS, len(blocks)), thread_name_prefix="ringswap-pin")
+        self.pins = {i: threads.submit(pool.lock, [i]) for i in blocks}
+        threads.shutdown(wait=False)   # the threads end once the pins are done
 
     def wait(self, block: int) -> None:
         pin = self.pins.get(block)

@@ -112,6 +112,8 @@ class BlockReads:
         holds nothing of the block or CUDA will not page-lock its pages."""
         if not (self.direct[block] or self.cast[block]):
             return None
+        if block in self._mapped:   # the checks below passed for it once; they hold for the file
+            return self._mapped[block]
         if self._pages is None:
             self._pages = FilePages(self.index.path, self.reader.check_unchanged)
         resized = sum(info.nbytes for info, e in self.cast[block]
@@ -124,12 +126,9 @@ class BlockReads:
                 log.info("RingSwap: %s: CUDA does not page-lock this file's pages here; blocks keep RAM homes "
                          "read from the file", self.index.path)
             return None
-        home = self._mapped.get(block)
-        if home is None:
-            casts = [(info.start, info.nbytes, e.offset, (info.dtype, e.dtype)) for info, e in self.cast[block]]
-            values = [(value, e.offset) for value, e in self.constants[block]]
-            home = self._mapped[block] = MappedBlock(self._pages, self.direct[block] + casts, self._nbytes[block],
-                                                     values)
+        casts = [(info.start, info.nbytes, e.offset, (info.dtype, e.dtype)) for info, e in self.cast[block]]
+        values = [(value, e.offset) for value, e in self.constants[block]]
+        home = self._mapped[block] = MappedBlock(self._pages, self.direct[block] + casts, self._nbytes[block], values)
         return home
 
     def read_block(self, block: int, dest: torch.Tensor) -> Future:
