@@ -1,0 +1,136 @@
+"""What page-locking a file's pages costs the copies beside it (issue 53, the Patch's first call on 0.33).
+
+The traced first step spent 1.1 s in one slot copy while four threads page-locked the file's pages,
+then waited 0.9 s for the copy stream. This measures, on one file in the page cache: (1) a copy loop
+alone (pinned buffer -> GPU, 0.7 GB copies on a side stream: GB/s and the longest host-side call);
+(2) cudaHostRegister (read-only) of the file's pages in 0.7 GB pieces on 1, 2, 4 threads, alone and
+beside the copy loop; (3) positioned reads (RangeReader, 8 and 16 workers) into page-locked buffers,
+alone and beside the copy loop; (4) a copy from the file's pages not page-locked (pageable).
+
+    source scripts/device_setup.sh && python3 bench/probes/pin_contention.py [FILE]
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
+import conftest  # noqa: E402,F401  (the repository as the package `ringswap`)
+from ringswap.loaders.model_file.range_reader import RangeReader  # noqa: E402
+from ringswap.swap.host_pool import REGISTER_READ_ONLY, register, unregister  # noqa: E402
+
+PIECE = 702788608   # one Wan-14B bf16 block
+GB = 1e9
+
+
+class CopyLoop:
+    """Copies a pinned PIECE to the GPU back to back on a side stream until stopped."""
+
+    def __init__(self):
+        self.src = torch.empty(PIECE, dtype=torch.uint8).pin_memory()
+        self.dst = torch.empty(PIECE, dtype=torch.uint8, device="cuda")
+        self.stream = torch.cuda.Stream()
+        self.stop = threading.Event()
+
+    def run(self) -> tuple[float, float]:
+        """Until stopped: (GB/s, longest host-side copy call in ms)."""
+        n, worst, t0 = 0, 0.0, time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            while not self.stop.is_set():
+                c = time.perf_counter()
+                self.dst.copy_(self.src, non_blocking=True)
+                worst = max(worst, time.perf_counter() - c)
+                self.stream.synchronize()
+                n += 1
+        return n * PIECE / (time.perf_counter() - t0) / GB, worst * 1e3
+
+    def beside(self, work):
+        """Run `work()` with the copy loop beside it: (work's result, copy GB/s, worst call ms)."""
+        self.stop.clear()
+        with ThreadPoolExecutor(1) as pool:
+            loop = pool.submit(self.run)
+            time.sleep(0.2)
+            out = work()
+            self.stop.set()
+            rate, worst = loop.result()
+        return out, rate, worst
+
+
+def pieces(data: torch.Tensor, count: int) -> list[tuple[int, int]]:
+    return [(data[k * PIECE:].data_ptr(), PIECE) for k in range(count)]
+
+
+def register_all(path: str, threads: int, count: int) -> str:
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    data = torch.frombuffer(m, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        budgets = list(pool.map(lambda c: register(c[0], c[1], REGISTER_READ_ONLY), pieces(data, count)))
+    dt = time.perf_counter() - t0
+    for (p, _), b in zip(pieces(data, count), budgets):
+        if b is not False:
+            unregister(p, b)
+    del data
+    return f"register {count * PIECE / GB:.1f} GB on {threads} threads: {count * PIECE / dt / GB:.1f} GB/s" \
+           + ("" if all(b is not False for b in budgets) else " (some refused)")
+
+
+def read_all(reader: RangeReader, bufs: list[torch.Tensor], count: int) -> str:
+    t0 = time.perf_counter()
+    futs = [reader.read_into(bufs[k % len(bufs)], [(k * PIECE, PIECE, 0)]) for k in range(count)]
+    for f in futs:
+        f.result()
+    dt = time.perf_counter() - t0
+    return f"read {count * PIECE / GB:.1f} GB into page-locked buffers, {reader.workers} workers: " \
+           f"{count * PIECE / dt / GB:.1f} GB/s"
+
+
+def pageable(path: str) -> str:
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    data = torch.frombuffer(m, dtype=torch.uint8)
+    dst = torch.empty(PIECE, dtype=torch.uint8, device="cuda")
+    out = []
+    for k in range(2):   # first touch of the mapping, then again
+        t0 = time.perf_counter()
+        dst.copy_(data[:PIECE], non_blocking=True)
+        torch.cuda.synchronize()
+        out.append(f"{PIECE / (time.perf_counter() - t0) / GB:.1f}")
+    del data
+    return f"copy one piece from the file's pages, not page-locked: {' then '.join(out)} GB/s"
+
+
+def main(path: str) -> None:
+    count = min(os.path.getsize(path) // PIECE, 24)
+    with open(path, "rb") as f:   # in the page cache
+        while f.read(1 << 26):
+            pass
+    loop = CopyLoop()
+    loop.stop.clear()
+    threading.Timer(1.5, loop.stop.set).start()
+    rate, worst = loop.run()
+    print(f"copy loop alone: {rate:.1f} GB/s, longest call {worst:.1f} ms", flush=True)
+    for threads in (1, 2, 4):
+        print(register_all(path, threads, count), flush=True)
+        line, rate, worst = loop.beside(lambda: register_all(path, threads, count))
+        print(f"  beside the copy loop: {line}; copies {rate:.1f} GB/s, longest call {worst:.1f} ms", flush=True)
+    bufs = [torch.empty(PIECE, dtype=torch.uint8).pin_memory() for _ in range(6)]
+    for workers in (8, 16):
+        reader = RangeReader(path, workers=workers, drop_cache=False)
+        print(read_all(reader, bufs, count), flush=True)
+        line, rate, worst = loop.beside(lambda: read_all(reader, bufs, count))
+        print(f"  beside the copy loop: {line}; copies {rate:.1f} GB/s, longest call {worst:.1f} ms", flush=True)
+        reader.close()
+    print(pageable(path), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "/tmp/ringswap_bench/wan_bf16_l40_d5120.safetensors")
