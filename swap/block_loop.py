@@ -35,6 +35,8 @@ class BlockLoop:
         slot.landed, slot.replaced, slot.pending = False, None, None
         att.stats.copies += 1
         att.stats.bytes_copied += self.states[block].layout.nbytes
+        if att.first_use is not None:
+            att.first_use.before_copy(block)
         self._home(block).start(slot, att)
 
     def _before_block(self, block: int) -> None:
@@ -128,8 +130,6 @@ class BlockLoop:
                 self._home(slot.owner).finish(slot, att)
         read, seconds, reads_s, pin_s = att.first_use.complete()
         att.first_use = None
-        if att.pinning is not None:   # the streamed homes page-locked behind the next calls
-            att.pinning.start()
         att.copier.synchronize()   # settle may unpin what the copies read
         staged = att.memory == "staged"
         settle(self.homes, self.states, self.pool, att)

@@ -34,8 +34,7 @@ from .resident_folds import fold_resident
 from .slot_ring import SlotRing
 from .coding import Coding, coding_for, keep_coder
 from .plane_coder import PlaneCoder
-from .ram_homes import (capture_resident, ensure, expected_memory, lock_early, read_homes, read_progress,
-                        release_staging, settle)
+from .ram_homes import capture_resident, ensure, expected_memory, lock_early, read_homes, read_progress, settle
 from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, writes_blocks
 from .stats import RunStats
 
@@ -153,8 +152,8 @@ class BlockSwapEngine(BlockLoop):
         homed = [i for i in plan.streamed if i in keep]
         if compress:
             self.coding.code_homes(self.states, self.pool, homed, self.link_bytes_per_s)
-        att.pinning = lock_early(self.pool, device, pin_memory, homed, start=not stream_first)
-        read_back = self._place_and_prime(att, placing, file_streamed, read_back, report, fills, stream_first)
+        pinning = lock_early(self.pool, device, pin_memory, homed)
+        read_back = self._place_and_prime(att, placing, file_streamed, read_back, report, pinning, fills, stream_first)
         if att.first_use is None:
             self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
         log.debug("attached on %s: %s, %s memory", device, plan.describe(), att.memory)
@@ -177,7 +176,7 @@ class BlockSwapEngine(BlockLoop):
                 self.pool.mapped[i] = mapped
 
     def _place_and_prime(self, att: Attachment, placing: list[int], file_streamed: list[int],
-                         read_back: int, report, fills: list[int], stream_first: bool) -> int:
+                         read_back: int, report, pinning, fills: list[int], stream_first: bool) -> int:
         """Place the resident blocks, settle the homes, hook the streamed blocks and issue the
         ring's first copies; on any failure the attachment is taken down again. `stream_first`:
         the resident blocks from the file and the homes in `fills` arrive during the first call
@@ -186,15 +185,17 @@ class BlockSwapEngine(BlockLoop):
         later = [i for i in placing if not self.pool.has(i) or i in self.pool.mapped] if stream_first else []
         now = [i for i in placing if i not in later]
         try:
-            if file_streamed or any(not self.pool.has(i) for i in placing) or self._stages(att, placing):
+            if file_streamed or any(not self.pool.has(i) for i in placing):
                 att.readahead = ReadAhead(self.read_block, self.read_buffers, self.block_bytes(),
                                           pin=device.type == "cuda" and att.pin_memory != "off")
             read_back = placement.place_all(self.states, self.pool, att, now, read_back,
                                             None if stream_first else report, self.coding)
+            if pinning is not None and not (later or fills):
+                pinning.join()
             if later or fills:
                 placement.reserve(self.states, later, device)
                 att.memory = expected_memory(self.homes, self.pool, att)
-                att.first_use = FirstUse(self.states, self.pool, self.read_block, att, later, fills,
+                att.first_use = FirstUse(self.states, self.pool, self.read_block, att, later, fills, pinning,
                                          pin=device.type == "cuda" and att.pin_memory != "off",
                                          placed=partial(self._placed_first, att), guard=self._loading,
                                          landed=self._settle_first_use, progress=report)
@@ -211,17 +212,12 @@ class BlockSwapEngine(BlockLoop):
                                                    att.resident_work, att.copier, device)
             att.stats = att.new_stats()
         except BaseException:
+            if pinning is not None:
+                pinning.join()
             self.att = att
             self.detach()
             raise
         return read_back
-
-    def _stages(self, att: Attachment, placing: list[int]) -> bool:
-        """Homes in the file's pages to land before they are page-locked: through staging reads
-        (page-locking them first would hold the first call at cudaHostRegister's rate)."""
-        if self.read_block is None or att.device.type != "cuda" or att.pin_memory == "off":
-            return False
-        return any(i in self.pool.mapped and not self.pool.mapped[i].pinned for i in (*att.plan.streamed, *placing))
 
     def _hook_streamed(self, att: Attachment) -> None:
         """The ring, the coded homes' decode scratch, the streamed blocks' hooks and stand-ins."""
@@ -251,8 +247,6 @@ class BlockSwapEngine(BlockLoop):
         if att.first_use is not None:   # given up before the first call ended: unplaced blocks hold nothing
             fu, att.first_use = att.first_use, None
             kept = kept - fu.stop()
-        if att.pinning is not None:   # before anything is unpinned
-            att.pinning.cancel()
         try:
             att.copier.synchronize()
             if self.homes.splits_ram and capture_bytes > 0 and not writes_blocks(att.on_land):
@@ -305,8 +299,6 @@ class BlockSwapEngine(BlockLoop):
             if att.first_use is not None:
                 with self._loading():
                     self._settle_first_use()
-            if att.readahead is not None and att.pinning is not None and att.pinning.done():
-                release_staging(att, self.pool)   # the homes page-locked behind the calls
             att.copier.mark_call(start=False)
             learned = att.order.finish()
             if learned is not None:

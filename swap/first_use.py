@@ -3,16 +3,14 @@
 Instead of reading every block before the first call, the attach only starts reading: in the
 order a model calls its blocks (list order), at most LOOKAHEAD blocks in flight so that a block
 the call needs soon is never queued behind the whole model. A resident block is copied into its
-device buffer just before it first computes (a hook on it until then), read into a page-locked
-staging buffer (the attachment's ReadAhead); only where there is none (the CPU, pinning off) is it
-copied from its file pages as they are. A streamed block's home is its file pages where it can be
-(given by the engine before this starts): it lands through the same staging reads until it is
-page-locked behind the first call (swap/ram_homes.py EarlyPins, started when this settles), as
-page-locking holds every copy call and runs at a third of the reads' rate. Else its home is read
-into its own buffer (`HostPool.filling`, a FillingHome in swap/homes.py), page-locked once read,
-and its slot copies from it. So no block is held twice in RAM and each block waits only for its
-own bytes; the load's progress follows the bytes in. After the first call the attachment settles
-as an up-front load would (swap/block_loop.py, `_settle_first_use`).
+device buffer just before it first computes (a hook on it until then): from its file pages,
+page-locked ahead on the pinning threads (swap/file_pages.py), else read into a pinned staging
+buffer (the attachment's ReadAhead). A streamed block's home is its file pages where it can be
+(given by the engine before this starts), else read into its own buffer (`HostPool.filling`, a
+FillingHome in swap/homes.py), page-locked once read, and its slot copies from it. So every byte
+is read at most once, into where it stays, and each block waits only for its own bytes; the
+load's progress follows the bytes in. After the first call the attachment settles as an up-front
+load would (swap/block_loop.py, `_settle_first_use`).
 """
 from __future__ import annotations
 
@@ -23,8 +21,8 @@ from contextlib import nullcontext
 from typing import Callable, ContextManager
 
 from .hooks import BlockHooks
-from .homes import stages
 from .host_pool import Fill, HostBuffer, HostPool
+from .ram_homes import EarlyPins
 from .read_ahead import ReadFn
 from .state import Attachment, BlockState
 
@@ -38,10 +36,11 @@ class FirstUse:
     hooks ask `landed` too)."""
 
     def __init__(self, states: list[BlockState], pool: HostPool, read_block: ReadFn, att: Attachment,
-                 placing: list[int], homes: list[int], pin: bool, placed: Callable[[int], None],
+                 placing: list[int], homes: list[int], pinning: EarlyPins | None, pin: bool, placed: Callable[[int], None],
                  guard: Callable[[], ContextManager] = nullcontext, landed: Callable[[], None] = lambda: None,
                  progress: Callable[[int, int], None] | None = None):
         self.states, self.pool, self.read_block, self.att, self.placed = states, pool, read_block, att, placed
+        self.pinning = pinning   # page-locking the homes held already (ram_homes.lock_early), joined at the end
         self.guard = guard   # around each landing: the engine's (a failure takes the attachment down)
         self.on_landed = landed   # called once every block is in (the engine settles the attachment)
         self.progress, self.shown = progress, -1   # progress(bytes in, bytes of the blocks the call lands)
@@ -51,6 +50,7 @@ class FirstUse:
         self.fills: dict[int, Fill] = {}   # the homes this load reads, by block
         self.pinner = ThreadPoolExecutor(2, thread_name_prefix="ringswap-pin") if pin else None
         self.nbytes = sum(states[i].layout.nbytes for i in self.todo if i not in pool.mapped)   # read
+        self.pins: dict[int, Future] = {}   # resident blocks placed from the file's pages: page-locking them
         self.t0 = time.perf_counter()
         self.reads_done = self.t0   # when the last read finished
         self.pin_s = 0.0            # page-locking time, summed over the pinning threads
@@ -65,6 +65,12 @@ class FirstUse:
         self.hooks = BlockHooks(blocks, sorted(placing), self._guarded, lambda i: None) if placing else None
         self.pump()
 
+    def before_copy(self, block: int) -> None:
+        """Before a slot copies streamed `block` from its home: the home page-locked first where
+        its pin is in flight (a copy from pageable memory would stall the copy stream)."""
+        if self.pinning is not None:
+            self.pinning.wait(block)
+
     # ----- reads ahead -----------------------------------------------------------------
     def _in_flight(self) -> int:
         return len(self.flight) + sum(1 for f in self.fills.values() if f.started and not f.future.done())
@@ -78,8 +84,10 @@ class FirstUse:
             if b in self.fills:   # read into its home (a resident block with one is placed from there)
                 if self.pool.filling.get(b) is self.fills[b]:
                     self.fills[b].start()
-            elif b in self.placing and b in self.pool.mapped and not stages(self.att, self.pool, b):
-                self.flight.add(b)   # placed from the file's pages, as they are
+            elif b in self.placing and b in self.pool.mapped:   # placed from the file's pages
+                if self.pinner is not None:
+                    self.pins[b] = self.pinner.submit(self._pin, b)
+                self.flight.add(b)
             elif b in self.placing:
                 if self.att.readahead.request(b, self.states[b].layout.nbytes) is None:
                     return
@@ -148,7 +156,10 @@ class FirstUse:
         nbytes = s.layout.nbytes
         t0 = time.perf_counter()
         mapped = self.pool.mapped.get(block)
-        if mapped is not None and not stages(att, self.pool, block):   # the file's pages, as they are
+        if mapped is not None:   # the file's pages, page-locked ahead where they can be
+            pin = self.pins.pop(block, None)
+            if pin is not None:
+                pin.result()
             out, left = s.device_buffer, []
             ready = att.copier.enqueue(lambda: left.append(mapped.land(out)), None, timed=False)
             if left[0] is not None:   # its casts on the land stream, the compute waits for them
@@ -195,6 +206,9 @@ class FirstUse:
             self.hooks.remove()
             self.hooks = None
         self.todo.clear()
+        for pin in self.pins.values():
+            pin.result()
+        self.pins = {}
         for block, fill in self.fills.items():
             if self.pool.filling.get(block) is not fill:   # adopted (or dropped) already
                 continue
@@ -206,6 +220,9 @@ class FirstUse:
                 self.pool.drop(block)
         if self.pinner is not None:
             self.pinner.shutdown(wait=True)
+        if self.pinning is not None:
+            self.pinning.join()
+            self.pinning = None
         unplaced, self.placing = self.placing, set()
         self.flight.clear()
         return unplaced

@@ -105,8 +105,6 @@ class RamHome(Home):
     def start(self, slot: Slot, att: Attachment) -> None:
         nbytes = self.s.layout.nbytes
         src = self.buf.flat
-        if att.pinning is not None:   # page-locked first where its pin is in flight
-            att.pinning.wait(self.s.index)
         if slot.staging is not None:
             if slot.ready is not None:
                 slot.ready.synchronize()   # staging buffer still feeding the last copy
@@ -208,32 +206,19 @@ class FileHome(Home):
 class MappedHome(Home):
     """The block's bytes where they already are, in the file's own pages (swap/file_pages.py) or
     the module's own tensors (swap/held_tensors.py): copied piece by piece (its tensors) into the
-    slot or resident buffer; nothing is read. Until it is page-locked (ram_homes.stages) it lands as
-    a FileHome does, read from the file into page-locked staging: 30-38 GB/s beside the copies where
-    page-locking runs at 10-12 GB/s and holds every copy call up (bench/RESULTS.md)."""
+    slot or resident buffer; nothing is read."""
 
-    def __init__(self, s: BlockState, pool: HostPool, states: list[BlockState]):
+    def __init__(self, s: BlockState, pool: HostPool):
         super().__init__(s, pool)
         self.mapped = pool.mapped[s.index]
-        self.read = FileHome(s, pool, states)
 
     def start(self, slot: Slot, att: Attachment) -> None:
-        if stages(att, self.pool, self.s.index):
-            return self.read.start(slot, att)
         slot.reading = False
         flat, left = slot.flat, []
         slot.ready = att.copier.enqueue(lambda: left.append(self.mapped.land(flat)), slot.free)
         slot.pending = left[0]   # its casts, done where it lands (block_loop._land)
 
-    def finish(self, slot: Slot, att: Attachment, wait: bool = True) -> None:
-        self.read.finish(slot, att, wait)
-
-    def read_ahead(self, att: Attachment) -> bool:
-        return self.read.read_ahead(att) if stages(att, self.pool, self.s.index) else True
-
     def _place(self, out: torch.Tensor, att: Attachment, chunks: PinnedChunks) -> int:
-        if stages(att, self.pool, self.s.index):
-            return self.read._place(out, att, chunks)
         att.copier.enqueue(lambda: self.mapped.copy_into(out), None)
         return 0
 
@@ -270,21 +255,13 @@ class FillingHome(Home):
         RamHome(self.s, self.pool).start(slot, att)
 
 
-def stages(att: Attachment, pool: HostPool, block: int) -> bool:
-    """`block`'s home is the file's pages, not page-locked yet (its pin pending) or refused: it lands
-    through the attachment's page-locked staging reads (a copy from pageable memory stalls the stream)."""
-    if att.readahead is None or block not in pool.mapped or att.device.type != "cuda" or att.pin_memory == "off":
-        return False
-    return (att.pinning is not None and att.pinning.pending(block)) or not pool.mapped[block].pinned
-
-
 def home_of(states: list[BlockState], pool: HostPool, block: int, coding: Coding | None = None) -> Home:
     """`block`'s home as the pool records it now (a coded one decodes with `coding`)."""
     s = states[block]
     if block in pool.filling:
         return FillingHome(s, pool)
     if block in pool.mapped:
-        return MappedHome(s, pool, states)
+        return MappedHome(s, pool)
     if block in pool.coded:
         return CodedHome(s, pool, coding)
     if block in pool.blocks:
@@ -332,7 +309,7 @@ def pump(att: Attachment, states: list[BlockState], pool: HostPool, read_on: boo
     if not read_on:
         return
     owners = set(att.ring.owners())
-    for b in islice((b for b in att.upcoming() if not pool.has(b) or stages(att, pool, b)), len(readahead.staging)):
+    for b in islice((b for b in att.upcoming() if not pool.has(b)), len(readahead.staging)):
         if b in owners or readahead.pending(b) is not None:
             continue
         if readahead.request(b, states[b].layout.nbytes) is None:

@@ -278,18 +278,14 @@ class HostPool:
     def pin(self, indices: list[int]) -> bool:
         """Pin exactly these blocks (unpinning the others). False if any pin failed:
         then nothing stays pinned and the caller falls back to staging."""
-        self.unpin_except(indices)
-        if not self.lock(indices):
-            self.unpin_all()
-            return False
-        return True
-
-    def unpin_except(self, indices) -> None:
-        """Unpin every home but these blocks'."""
         wanted = set(indices)
         for i, buf in self._all():
             if i not in wanted:
                 buf.unpin()
+        if not self.lock(indices):
+            self.unpin_all()
+            return False
+        return True
 
     def lock(self, indices: list[int]) -> bool:
         """Page-lock these blocks' homes where not yet, leaving the others as they are; stops

@@ -18,7 +18,7 @@ import torch
 
 from .coding import Coding
 from .home_policy import HomePolicy
-from .homes import CodedHome, RamHome, home_of, stages
+from .homes import CodedHome, RamHome, home_of
 from .host_pool import HostPool
 from .page_out import FileMaps
 from .staged_copy import PinnedChunks
@@ -93,61 +93,35 @@ def ensure(states: list[BlockState], pool: HostPool, read_block: Callable | None
     return read_homes([states[i] for i in sorted(keep)], pool, read_block, progress)
 
 
-PIN_THREADS = 1   # cudaHostRegister runs one at a time in the driver: 10.3 GB/s on 1 thread, 12.1 on 4 (bench/RESULTS.md)
+PIN_THREADS = 4   # page-locking threads of an attach (~10 GB/s a registration on an H100 host: bench/RESULTS.md)
 
 
 class EarlyPins:
-    """The streamed blocks' homes page-locked on a thread of their own, in call order (`start`: at
-    once, or once a load's first call has its blocks in). Page-locking holds the driver's lock,
-    which every copy call waits for, so it runs one registration at a time and off the first call.
-    Meanwhile a home in the file's pages lands through page-locked staging reads (homes.MappedHome);
-    a RAM home waits for its own pin (`wait`), as a copy from pageable memory would stall the stream."""
+    """The streamed blocks' homes page-locked on a few threads of their own, in call order, while
+    the resident blocks are placed or a load's first call runs; a copy from a home not yet locked
+    waits for its own pin (`wait`) rather than copy from pageable memory, which CUDA does
+    synchronously, stalling the stream. `settle` pins what is left."""
 
-    def __init__(self, pool: HostPool, blocks: list[int], start: bool = True):
-        self.pool, self.blocks = pool, blocks
-        self.pins: dict[int, futures.Future] = {}
-        if start:
-            self.start()
-
-    def start(self) -> None:
-        if self.pins or not self.blocks:
-            return
-        threads = ThreadPoolExecutor(PIN_THREADS, thread_name_prefix="ringswap-pin")
-        self.pins = {i: threads.submit(self.pool.lock, [i]) for i in self.blocks}
-        threads.shutdown(wait=False)   # the thread ends once the pins are done
-
-    def pending(self, block: int) -> bool:
-        """`block`'s home is still to be page-locked (its pin not done, or not started)."""
-        pin = self.pins.get(block)
-        return block in self.blocks and (pin is None or not pin.done())
+    def __init__(self, pool: HostPool, blocks: list[int]):
+        threads = ThreadPoolExecutor(min(PIN_THREADS, len(blocks)), thread_name_prefix="ringswap-pin")
+        self.pins = {i: threads.submit(pool.lock, [i]) for i in blocks}
+        threads.shutdown(wait=False)   # the threads end once the pins are done
 
     def wait(self, block: int) -> None:
-        if block in self.blocks:
-            self.start()
-            futures.wait([self.pins[block]])
-
-    def done(self) -> bool:
-        return bool(self.pins) and all(p.done() for p in self.pins.values())
+        pin = self.pins.get(block)
+        if pin is not None:
+            futures.wait([pin])
 
     def join(self) -> None:
-        self.start()
         futures.wait(list(self.pins.values()))
 
-    def cancel(self) -> None:
-        """Pins not begun never begin; the one running is waited for (before unpinning)."""
-        for pin in self.pins.values():
-            pin.cancel()
-        futures.wait(list(self.pins.values()))
-        self.blocks = [i for i, p in self.pins.items() if not p.cancelled()]
 
-
-def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int],
-               start: bool = True) -> EarlyPins | None:
-    """Page-lock the streamed blocks' RAM homes in the background (EarlyPins; an expert switch reads and pins at once)."""
+def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int]) -> EarlyPins | None:
+    """Page-lock the streamed blocks' RAM homes early (EarlyPins; an expert switch reads and pins at once)."""
     todo = [i for i in streamed if pool.has(i) and not pool.buffer(i).pinned]
     if device.type != "cuda" or pin_memory == "off" or not todo:
         return None
-    return EarlyPins(pool, todo, start)
+    return EarlyPins(pool, todo)
 
 
 def capture(states: list[BlockState], pool: HostPool, blocks: list[int], hold: bool = True) -> None:
@@ -192,27 +166,13 @@ def settle(policy: HomePolicy, states: list[BlockState], pool: HostPool, att: At
     splits RAM, each home the attachment does not keep drops itself (no host copy of a resident
     block) and a read-ahead no streamed block needs goes."""
     keep, file_streamed = att.ram_homes, _from_ram(att)[1]
-    if att.pinning is not None and not att.pinning.done():   # page-locking goes on behind the calls
-        pool.unpin_except(att.plan.streamed)
-        att.memory = expected_memory(policy, pool, att)
-    else:
-        att.memory = _memory(policy, states, pool, att, lock=True)
+    att.memory = _memory(policy, states, pool, att, lock=True)
     if policy.splits_ram:
         for s in states:
             home_of(states, pool, s.index).settle(s.index in keep)
-        if not file_streamed:
-            release_staging(att, pool)
-
-
-def release_staging(att: Attachment, pool: HostPool) -> None:
-    """Free the read-ahead's staging once no streamed block reads the file: none without a home,
-    every home in the file's pages page-locked, no read or copy from staging in flight."""
-    ra = att.readahead
-    if ra is None or any(stages(att, pool, i) or not pool.has(i) for i in att.plan.streamed):
-        return
-    if all(s.reusable() for s in ra.staging):
-        ra.release_all()
-        att.readahead = None
+        if not file_streamed and att.readahead is not None:
+            att.readahead.release_all()
+            att.readahead = None
 
 
 def expected_memory(policy: HomePolicy, pool: HostPool, att: Attachment) -> str:

@@ -116,7 +116,6 @@ class BlockReads:
             return self._mapped[block]
         if self._pages is None:
             self._pages = FilePages(self.index.path, self.reader.check_unchanged)
-            self.reader.drop_cache = False   # its pages are homes now: a read (staging) must not evict them
         resized = sum(info.nbytes for info, e in self.cast[block]
                       if info.dtype.itemsize != e.dtype.itemsize)
         if torch.cuda.is_available() and resized > RESIZED_MAX:   # e.g. an fp32 file: read and cast in RAM
