@@ -23,6 +23,8 @@ from typing import Callable, Protocol
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import driver_turns
+
 log = logging.getLogger("ringswap.host_pool")
 
 PAGE = mmap.PAGESIZE
@@ -130,7 +132,8 @@ def register(ptr: int, size: int, flags: int = 0):
     the budget it was counted in (None: no budget), or False where over the budget or refused."""
     if _budget is not None and not _budget.reserve(ptr, size):
         return False
-    err = torch.cuda.cudart().cudaHostRegister(ptr, size, flags)
+    with driver_turns.registration():
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, flags)
     if int(err) != 0:
         _clear_cuda_error()
         if _budget is not None:
@@ -141,7 +144,8 @@ def register(ptr: int, size: int, flags: int = 0):
 
 def unregister(ptr: int, budget) -> None:
     """Undo `register` (its returned budget)."""
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+    with driver_turns.registration():
+        torch.cuda.cudart().cudaHostUnregister(ptr)
     if budget is not None:
         budget.release(ptr)
 

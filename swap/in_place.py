@@ -51,7 +51,7 @@ class InPlace:
             return True
         if not torch.cuda.is_available():
             return False
-        for ptr, size in self._wanted():
+        for ptr, size in _split(self._wanted()):
             budget = False
             for flags in self.FLAGS:
                 budget = register(ptr, size, flags)
@@ -147,6 +147,14 @@ class InPlace:
             self.unpin()
         except Exception:   # noqa: BLE001
             pass
+
+
+REGISTER_PIECE = 256 << 20   # bytes a registration holds the driver for at most (~25 ms: swap/driver_turns.py)
+
+
+def _split(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each (pointer, size) in REGISTER_PIECE pieces (page multiples), so a copy waits for one short one."""
+    return [(p + k, min(REGISTER_PIECE, n - k)) for p, n in ranges for k in range(0, n, REGISTER_PIECE)]
 
 
 def _cast(casts: list[tuple]) -> None:

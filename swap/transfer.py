@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import driver_turns
+
 
 FOLD_AT = 64       # measurements held before the finished ones are folded into a total
 LAND_SAMPLE = 8    # one landing in this many (of those that follow a streamed block) has its on-land work timed
@@ -143,7 +145,7 @@ class CopyStream:
         stream = stream or self.stream
         self._streams.add(stream)
         last = self._started(stream)
-        with torch.cuda.stream(stream):
+        with driver_turns.copies(), torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
             work()

@@ -1,0 +1,63 @@
+"""Turns at the CUDA driver between page-locking and copies: a block's copies go first.
+
+cudaHostRegister holds a driver lock for its whole run (a 0.7 GB block's pages: ~68 ms at
+10 GB/s), and every copy call waits for it. Registrations on other threads, one after another,
+then hold each of a block's ~30 copy calls for one registration: a load's first copy took 1.1 s
+(bench/probes/pin_contention.py: the longest copy call beside 1 registering thread 68 ms, beside 4
+344 ms; bench/RESULTS.md). Here a registration starts only while no copy burst waits or runs, so
+a burst waits for at most the one registration in flight. Written here: the driver offers no
+priority between the two. A thread inside a burst may register (a staging buffer pinned for its
+copy) without waiting for itself.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+_cond = threading.Condition()
+_bursts = 0             # copy bursts waiting or running
+_registering = False    # a registration running (one at a time: the driver runs them so anyway)
+_mine = threading.local()
+
+
+@contextmanager
+def copies() -> Iterator[None]:
+    """Around one block's copy calls: waits for a registration in flight, holds new ones off."""
+    global _bursts
+    if getattr(_mine, "depth", 0):
+        _mine.depth += 1
+        try:
+            yield
+        finally:
+            _mine.depth -= 1
+        return
+    with _cond:
+        _bursts += 1
+        _cond.wait_for(lambda: not _registering)
+    _mine.depth = 1
+    try:
+        yield
+    finally:
+        _mine.depth = 0
+        with _cond:
+            _bursts -= 1
+            _cond.notify_all()
+
+
+@contextmanager
+def registration() -> Iterator[None]:
+    """Around one cudaHostRegister or cudaHostUnregister: waits while copy bursts wait or run."""
+    global _registering
+    if getattr(_mine, "depth", 0):   # this thread is in a burst: its own pin goes now
+        yield
+        return
+    with _cond:
+        _cond.wait_for(lambda: not _bursts and not _registering)
+        _registering = True
+    try:
+        yield
+    finally:
+        with _cond:
+            _registering = False
+            _cond.notify_all()

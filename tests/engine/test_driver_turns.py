@@ -1,0 +1,43 @@
+"""swap/driver_turns.py: a block's copy calls go before page-locking, and wait for at most the one in flight."""
+import threading
+import time
+
+from ringswap.swap import driver_turns
+
+
+def test_a_registration_waits_for_copies_and_copies_wait_for_one_registration():
+    log, started = [], threading.Event()
+
+    def register(name, hold):
+        with driver_turns.registration():
+            started.set()
+            log.append(f"{name} in")
+            time.sleep(hold)
+            log.append(f"{name} out")
+
+    first = threading.Thread(target=register, args=("r1", 0.2))
+    first.start()
+    started.wait()
+    with driver_turns.copies():   # waits for r1, then holds r2 off while it runs
+        log.append("copies in")
+        second = threading.Thread(target=register, args=("r2", 0.0))
+        second.start()
+        time.sleep(0.1)
+        log.append("copies out")
+    first.join()
+    second.join()
+    assert log == ["r1 in", "r1 out", "copies in", "copies out", "r2 in", "r2 out"]
+
+
+def test_a_thread_in_a_burst_registers_without_waiting_for_itself():
+    done = []
+
+    def burst():
+        with driver_turns.copies(), driver_turns.copies(), driver_turns.registration():
+            done.append(True)
+    t = threading.Thread(target=burst)
+    t.start()
+    t.join(timeout=5)
+    assert done == [True]
+    with driver_turns.registration():   # nothing left held
+        pass
