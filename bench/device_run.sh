@@ -34,6 +34,9 @@
 # ttfs-diag (issue 53: where the 0.33 Patch's first step goes: a 2-step prompt of the users' cell under
 # bench/probes/trace_calls.py, its timeline in $OUT/rs-patch-0.33-dyn_12.txt, then bench/probes/held_copy.py
 # on the same file; 5 files, ~4.5 min with the file's write).
+# pin-probe (issue 53: bench/probes/pin_contention.py on a 17 GB file in the page cache: page-locking by
+# thread count beside a copy loop, reads into page-locked memory, then with the page tables filled first;
+# ~1 min). held_copy in ttfs-diag hung once at its read-only registration of a fresh file (RESULTS.md).
 # compare-ttfs-12h / compare-ttfs-12h-cold (issue 53: the users' cell, cfg 5, 12 GiB, halved link, 7,800
 # tokens, a 20-step first prompt: TTFS and its wall; ComfyUI dynamic VRAM, RingSwap Patch on 0.33, the
 # Loader and ComfyUI on 0.3.75; warm page cache / --cold; ~7.5 / ~8.5 min). The compare parts run 5-step
@@ -133,6 +136,10 @@ for p in "$@"; do
       compare ttfs_diag 170 --tokens 7800 --cfgs 5 --links halved --prompt-steps 2 --configs rs-patch-0.33-dyn@12
       unset RINGSWAP_BENCH_TRACE
       part held_copy 150 0.3.75 0 python3 -u bench/probes/held_copy.py /tmp/ringswap_bench/wan_bf16_l40_d5120.safetensors ;;
+    pin-probe) head -c 17000000000 /dev/zero >/tmp/pin_probe.bin
+      part pin_probe 150 0.3.75 0 bash -c "python3 -u bench/probes/pin_contention.py /tmp/pin_probe.bin &&
+        python3 -u bench/probes/pin_contention.py /tmp/pin_probe.bin --populate"
+      rm -f /tmp/pin_probe.bin ;;
     compare:*) IFS=: read -r _ name secs args <<<"$p"; compare "$name" "$secs" ${args//,/ } ;;
     compare-24-peers) compare 24_peers 420 --groups peers --caps 24 ;;
     compare-24-rs) compare 24_rs 420 --groups ringswap --caps 24 ;;
