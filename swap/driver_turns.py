@@ -6,8 +6,8 @@ then hold each of a block's ~30 copy calls for one registration: a load's first 
 (bench/probes/pin_contention.py: the longest copy call beside 1 registering thread 68 ms, beside 4
 344 ms; bench/RESULTS.md). Here a registration starts only while no copy burst waits or runs, so
 a burst waits for at most the one registration in flight. Written here: the driver offers no
-priority between the two. A thread inside a burst may register (a staging buffer pinned for its
-copy) without waiting for itself.
+priority between the two. A thread inside its own burst or registration goes on at once (a pin
+for its copy, an unpin run by the garbage collector) rather than wait for itself.
 """
 from __future__ import annotations
 
@@ -25,39 +25,40 @@ _mine = threading.local()
 def copies() -> Iterator[None]:
     """Around one block's copy calls: waits for a registration in flight, holds new ones off."""
     global _bursts
-    if getattr(_mine, "depth", 0):
-        _mine.depth += 1
-        try:
-            yield
-        finally:
-            _mine.depth -= 1
+    if getattr(_mine, "busy", False):   # inside this thread's own burst or registration
+        yield
         return
+    _mine.busy = True   # first: a registration this thread makes meanwhile (a pin, a __del__) goes at once
     with _cond:
         _bursts += 1
-        _cond.wait_for(lambda: not _registering)
-    _mine.depth = 1
     try:
+        with _cond:
+            _cond.wait_for(lambda: not _registering)
         yield
     finally:
-        _mine.depth = 0
         with _cond:
             _bursts -= 1
             _cond.notify_all()
+        _mine.busy = False
 
 
 @contextmanager
 def registration() -> Iterator[None]:
     """Around one cudaHostRegister or cudaHostUnregister: waits while copy bursts wait or run."""
     global _registering
-    if getattr(_mine, "depth", 0):   # this thread is in a burst: its own pin goes now
+    if getattr(_mine, "busy", False):   # inside this thread's own burst or registration
         yield
         return
-    with _cond:
-        _cond.wait_for(lambda: not _bursts and not _registering)
-        _registering = True
+    _mine.busy = True
     try:
-        yield
-    finally:
         with _cond:
-            _registering = False
-            _cond.notify_all()
+            _cond.wait_for(lambda: not _bursts and not _registering)
+            _registering = True
+        try:
+            yield
+        finally:
+            with _cond:
+                _registering = False
+                _cond.notify_all()
+    finally:
+        _mine.busy = False

@@ -41,3 +41,28 @@ def test_a_thread_in_a_burst_registers_without_waiting_for_itself():
     assert done == [True]
     with driver_turns.registration():   # nothing left held
         pass
+
+
+def test_an_unpin_inside_a_registration_of_the_same_thread_goes_on():
+    """The garbage collector may unpin (a buffer's __del__) while its thread registers."""
+    done = []
+
+    def nested():
+        with driver_turns.registration(), driver_turns.registration(), driver_turns.copies():
+            done.append(True)
+    t = threading.Thread(target=nested)
+    t.start()
+    t.join(timeout=5)
+    assert done == [True]
+
+
+def test_an_interrupted_wait_leaves_no_turn_held():
+    with driver_turns.registration():
+        pass
+    try:
+        with driver_turns.copies():
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    with driver_turns.registration():   # nothing left counted
+        assert not driver_turns._bursts
