@@ -93,7 +93,8 @@ def ensure(states: list[BlockState], pool: HostPool, read_block: Callable | None
     return read_homes([states[i] for i in sorted(keep)], pool, read_block, progress)
 
 
-PIN_THREADS = 4   # page-locking threads of an attach (~10 GB/s a registration on an H100 host: bench/RESULTS.md)
+PIN_THREADS = 4   # page-locking threads of an attach: registrations go one at a time (swap/driver_turns.py, 10-18 GB/s
+                  # on an H100 host: bench/RESULTS.md); the threads overlap the rest of each pin (its small rest buffer)
 
 
 class EarlyPins:
