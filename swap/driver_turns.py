@@ -24,13 +24,37 @@ _mine = threading.local()
 @contextmanager
 def copies() -> Iterator[None]:
     """Around one block's copy calls: waits for a registration in flight, holds new ones off."""
-    global _bursts
-    if getattr(_mine, "busy", False):   # inside this thread's own burst or registration
+    with _unless_mine(_burst):
+        yield
+
+
+@contextmanager
+def registration() -> Iterator[None]:
+    """Around one cudaHostRegister or cudaHostUnregister: waits while copy bursts wait or run."""
+    with _unless_mine(_register):
+        yield
+
+
+@contextmanager
+def _unless_mine(turn) -> Iterator[None]:
+    """`turn()`, unless this thread is inside its own burst or registration (it goes on at once);
+    the thread is marked first, so what it registers while waiting (a __del__) does not wait."""
+    if getattr(_mine, "busy", False):
         yield
         return
-    _mine.busy = True   # first: a registration this thread makes meanwhile (a pin, a __del__) goes at once
+    _mine.busy = True
+    try:
+        with turn():
+            yield
+    finally:
+        _mine.busy = False
+
+
+@contextmanager
+def _burst() -> Iterator[None]:
+    global _bursts
     with _cond:
-        _bursts += 1
+        _bursts += 1   # counted while it waits too: no registration starts meanwhile
     try:
         with _cond:
             _cond.wait_for(lambda: not _registering)
@@ -39,26 +63,17 @@ def copies() -> Iterator[None]:
         with _cond:
             _bursts -= 1
             _cond.notify_all()
-        _mine.busy = False
 
 
 @contextmanager
-def registration() -> Iterator[None]:
-    """Around one cudaHostRegister or cudaHostUnregister: waits while copy bursts wait or run."""
+def _register() -> Iterator[None]:
     global _registering
-    if getattr(_mine, "busy", False):   # inside this thread's own burst or registration
-        yield
-        return
-    _mine.busy = True
+    with _cond:
+        _cond.wait_for(lambda: not _bursts and not _registering)
+        _registering = True
     try:
-        with _cond:
-            _cond.wait_for(lambda: not _bursts and not _registering)
-            _registering = True
-        try:
-            yield
-        finally:
-            with _cond:
-                _registering = False
-                _cond.notify_all()
+        yield
     finally:
-        _mine.busy = False
+        with _cond:
+            _registering = False
+            _cond.notify_all()

@@ -25,7 +25,6 @@ from .host_pool import PAGE, REGISTER_READ_ONLY, register, unregister, whole_pag
 from .in_place import InPlace
 
 
-
 class FilePages:
     """One model file mapped read-only; `check()` raises where the file changed since it was opened
     (the loader's: a mapped page cut off by truncation would crash the process on a copy, so every

@@ -1,4 +1,5 @@
 """swap/driver_turns.py: a block's copy calls go before page-locking, and wait for at most the one in flight."""
+import contextlib
 import threading
 import time
 
@@ -29,31 +30,30 @@ def test_a_registration_waits_for_copies_and_copies_wait_for_one_registration():
     assert log == ["r1 in", "r1 out", "copies in", "copies out", "r2 in", "r2 out"]
 
 
-def test_a_thread_in_a_burst_registers_without_waiting_for_itself():
+def _in_a_thread(*turns) -> list:
+    """Enter `turns` nested on a thread of its own; [True] once it got through (within 5 s)."""
     done = []
 
-    def burst():
-        with driver_turns.copies(), driver_turns.copies(), driver_turns.registration():
+    def nested():
+        with contextlib.ExitStack() as stack:
+            for turn in turns:
+                stack.enter_context(turn())
             done.append(True)
-    t = threading.Thread(target=burst)
+    t = threading.Thread(target=nested)
     t.start()
     t.join(timeout=5)
-    assert done == [True]
+    return done
+
+
+def test_a_thread_in_a_burst_registers_without_waiting_for_itself():
+    assert _in_a_thread(driver_turns.copies, driver_turns.copies, driver_turns.registration) == [True]
     with driver_turns.registration():   # nothing left held
         pass
 
 
 def test_an_unpin_inside_a_registration_of_the_same_thread_goes_on():
     """The garbage collector may unpin (a buffer's __del__) while its thread registers."""
-    done = []
-
-    def nested():
-        with driver_turns.registration(), driver_turns.registration(), driver_turns.copies():
-            done.append(True)
-    t = threading.Thread(target=nested)
-    t.start()
-    t.join(timeout=5)
-    assert done == [True]
+    assert _in_a_thread(driver_turns.registration, driver_turns.registration, driver_turns.copies) == [True]
 
 
 def test_an_interrupted_wait_leaves_no_turn_held():
