@@ -7,6 +7,7 @@ file, the tensor and what was expected.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import struct
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+
+from .range_reader import BlockReadError, RangeReader
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -198,52 +201,84 @@ class SafetensorsIndex:
         return {int(k): groups[k] for k in sorted(groups, key=int)}
 
     def read_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors read from the file (the non-block weights, ~0.5 GB for Wan-14B) on
+        READ_WORKERS threads at once: each big one into a mapping of its own (untouched until read,
+        not zero-filled first: one thread filled bytearrays at ~1.7 GB/s, bench/RESULTS.md), the
+        small ones together into one buffer."""
         infos = [self[n] for n in names]
-        out: dict[str, torch.Tensor] = {}
         if not infos:
-            return out
-        # One unbuffered binary handle, seek + readinto: the same on Linux and Windows (no pread).
+            return {}
+        small = [i for i in infos if i.nbytes < MAPPED_MIN]
         try:
-            f = open(self.path, "rb", buffering=0)
-        except OSError as e:
-            raise SafetensorsError(f"{self.path}: cannot open: {e.strerror or e}") from e
-        with f:
-            for info in infos:
-                raw, view = _buffer_like_mmap(info.nbytes, info.start)
-                got = 0
-                while got < info.nbytes:
-                    try:
-                        f.seek(info.start + got)
-                        k = f.readinto(view[got:])
-                    except OSError as e:
-                        raise SafetensorsError(f"{self.path}: tensor {info.name!r}: read of {info.nbytes} "
-                                               f"bytes at offset {info.start} failed: "
-                                               f"{e.strerror or e}") from e
-                    if not k:
-                        raise SafetensorsError(f"{self.path}: tensor {info.name!r}: file ended after "
-                                               f"{got} of {info.nbytes} bytes at offset {info.start} "
-                                               "(truncated or replaced after it was indexed?)")
-                    got += k
-                if info.nbytes:
-                    t = _typed(raw, info.dtype)
-                else:
-                    t = torch.empty(0, dtype=info.dtype)
-                out[info.name] = t.reshape(info.shape)
-        return out
+            reader = RangeReader(self.path, workers=min(READ_WORKERS, len(infos)), drop_cache=False,
+                                 chunk_bytes=READ_CHUNK)
+        except BlockReadError as e:
+            raise SafetensorsError(str(e)) from e
+        with reader:
+            raws = {i.name: _buffer_like_mmap(i.nbytes, i.start) for i in infos if i.nbytes >= MAPPED_MIN}
+            reads = [([i], reader.read_into(raws[i.name], [(i.start, i.nbytes, 0)])) for i in infos
+                     if i.name in raws]
+            if small:
+                packed, places = _packed(small)
+                raws.update({i.name: packed[p:p + i.nbytes] for i, p in zip(small, places)})
+                reads.append((small, reader.read_into(packed, [(i.start, i.nbytes, p)
+                                                               for i, p in zip(small, places)])))
+            for read_infos, read in reads:
+                try:
+                    read.result()
+                except BlockReadError as e:
+                    raise self._read_error(read_infos, e) from e
+        return {i.name: (_typed(raws[i.name], i.dtype) if i.nbytes else torch.empty(0, dtype=i.dtype))
+                .reshape(i.shape) for i in infos}
+
+    def _read_error(self, infos: list[TensorInfo], e: BlockReadError) -> SafetensorsError:
+        """The error of a failed read of `infos`: the first tensor past the file's end where the
+        file is shorter now, else the reader's own error."""
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            size = None
+        for i in infos:
+            if size is not None and size < i.end:
+                return SafetensorsError(f"{self.path}: tensor {i.name!r}: file ended after {max(0, size - i.start)} "
+                                        f"of {i.nbytes} bytes at offset {i.start} (truncated or replaced after "
+                                        "it was indexed?)")
+        return SafetensorsError(f"{self.path}: reading tensor {infos[0].name!r}"
+                                + (f" (and {len(infos) - 1} more)" if len(infos) > 1 else "") + f": {e}")
+
+
+READ_WORKERS = 8              # threads reading the tensors (from the page cache ~9 GB/s into fresh memory)
+READ_CHUNK = 16 * 1024 * 1024  # bytes one read call takes: a 0.3 GB tensor spreads over the threads
+MAPPED_MIN = 1024 * 1024      # smaller tensors in bytearrays (many small mappings cost more than zeroing)
 
 
 ALIGN = 64   # a read tensor's address mod ALIGN equals its file offset's, as in a view into an mmap
 
 
-def _buffer_like_mmap(nbytes: int, file_offset: int) -> tuple[torch.Tensor, memoryview]:
-    """A host buffer of `nbytes` whose address mod ALIGN equals `file_offset`'s, the
+def _buffer_like_mmap(nbytes: int, file_offset: int) -> torch.Tensor:
+    """A host buffer (uint8) of `nbytes` whose address mod ALIGN equals `file_offset`'s, the
     alignment ComfyUI's own loader leaves a tensor at when it keeps a view into safetensors'
     mmap (CPU matmuls round differently at other alignments, so results would not be
-    bit-identical to ComfyUI's); (its bytes as a uint8 tensor, a writable view of them)."""
-    buf = bytearray(nbytes + ALIGN)
-    whole = torch.frombuffer(buf, dtype=torch.uint8)
+    bit-identical to ComfyUI's). From MAPPED_MIN bytes in an anonymous mapping of its own,
+    freed to the OS with the tensor (Linux and Windows)."""
+    if nbytes >= MAPPED_MIN:
+        whole = torch.frombuffer(mmap.mmap(-1, nbytes + ALIGN), dtype=torch.uint8)
+    else:
+        whole = torch.frombuffer(bytearray(nbytes + ALIGN), dtype=torch.uint8)
     shift = (file_offset - whole.data_ptr()) % ALIGN
-    return whole[shift:shift + nbytes], memoryview(buf)[shift:shift + nbytes]
+    return whole[shift:shift + nbytes]
+
+
+def _packed(infos: list[TensorInfo]) -> tuple[torch.Tensor, list[int]]:
+    """One buffer for `infos` (small tensors) and each one's place in it, aligned as
+    `_buffer_like_mmap` aligns one."""
+    whole = torch.frombuffer(bytearray(sum(i.nbytes + ALIGN for i in infos) + 1), dtype=torch.uint8)
+    places, at = [], 0
+    for i in infos:
+        at += (i.start - whole.data_ptr() - at) % ALIGN
+        places.append(at)
+        at += i.nbytes
+    return whole, places
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
