@@ -10,7 +10,9 @@ alone and beside the copy loop; (4) a copy from the file's pages not page-locked
     source scripts/device_setup.sh && python3 bench/probes/pin_contention.py [FILE] [--populate]
 
 --populate instead: page-locking (1 thread) after filling the mapping's page tables (madvise
-MADV_POPULATE_READ, or touching a byte a page on 8 threads), against page-locking alone.
+MADV_POPULATE_READ, or touching a byte a page on 8 threads), against page-locking alone; then as
+the attach does (swap/file_pages.py, swap/in_place.py): 4 threads each touching a block's pages,
+then registering it in 256 MB pieces one at a time (swap/driver_turns.py), alone and beside copies.
 """
 from __future__ import annotations
 
@@ -113,6 +115,32 @@ def populated(path: str, how: str, count: int) -> str:
            f"both {n / (t2 - t0) / GB:.1f} GB/s"
 
 
+def as_attach(path: str, count: int, threads: int = 4, piece: int = 256 << 20) -> str:
+    """Each block's pages touched (a byte a page), then registered in `piece`s, one registration
+    at a time through host_pool.register (its driver turns), on `threads` threads: GB/s."""
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    data = torch.frombuffer(m, dtype=torch.uint8)
+
+    def pin(k: int) -> list:
+        block = data[k * PIECE:(k + 1) * PIECE]
+        int(block[::4096].sum())
+        p0, out = block.data_ptr() // 4096 * 4096 + 4096, []
+        for a in range(p0, block.data_ptr() + PIECE - 4096, piece):
+            size = min(piece, (block.data_ptr() + PIECE) // 4096 * 4096 - a)
+            out.append((a, register(a, size, REGISTER_READ_ONLY)))
+        return out
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        done = [r for rs in pool.map(pin, range(count)) for r in rs]
+    dt = time.perf_counter() - t0
+    for a, b in done:
+        if b is not False:
+            unregister(a, b)
+    del data
+    return f"as the attach ({threads} threads, {piece >> 20} MB pieces): {count * PIECE / dt / GB:.1f} GB/s"
+
+
 def read_all(reader: RangeReader, bufs: list[torch.Tensor], count: int) -> str:
     t0 = time.perf_counter()
     futs = [reader.read_into(bufs[k % len(bufs)], [(k * PIECE, PIECE, 0)]) for k in range(count)]
@@ -154,6 +182,10 @@ def main(path: str) -> None:
                 print(populated(path, how, count), flush=True)
             except OSError as e:
                 print(f"{how}: {e}", flush=True)
+        print(as_attach(path, count), flush=True)
+        line, rate, worst = loop.beside(lambda: as_attach(path, count))
+        print(f"  beside the copy loop: {line}; copies {rate:.1f} GB/s, longest call {worst:.1f} ms", flush=True)
+        print(as_attach(path, count, threads=1, piece=PIECE), flush=True)
         return
     for threads in (1, 2, 4):
         print(register_all(path, threads, count), flush=True)
