@@ -93,8 +93,8 @@ def ensure(states: list[BlockState], pool: HostPool, read_block: Callable | None
     return read_homes([states[i] for i in sorted(keep)], pool, read_block, progress)
 
 
-PIN_THREADS = 4   # page-locking threads of an attach: registrations go one at a time (swap/driver_turns.py, 10-18 GB/s
-                  # on an H100 host: bench/RESULTS.md); the threads overlap the rest of each pin (its small rest buffer)
+PIN_THREADS = 4   # page-locking threads of an attach: registrations go one at a time (swap/driver_turns.py); the threads
+                  # fill page tables and pin rest buffers meanwhile: 31-34 GB/s on an H100 host (bench/RESULTS.md)
 
 
 class EarlyPins:
