@@ -1,10 +1,11 @@
 """Where a prompt's first step goes (issue 53): a timeline of RingSwap's and ComfyUI's calls, every thread.
 
 Runs a script (bench/compare_child.py, as compare.py starts it with RINGSWAP_BENCH_TRACE=DIR) under
-sys.monitoring (Python 3.12+): a call is timed only where its code is RingSwap's or one of ComfyUI's
-sampling and loading entry points; every other code object is switched off at its first event, so
-the run keeps its pace (cProfile times everything, and its cumulative times mix threads). Written
-at exit: the calls of at least MIN_S, by start time, with their thread and nesting depth.
+sys.monitoring (Python 3.12+): a call is timed only where its code is RingSwap's, one of ComfyUI's
+sampling and loading entry points, or one of torch's waits and module moves (TORCH); every other
+code object is switched off at its first event, so the run keeps its pace (cProfile times
+everything, and its cumulative times mix threads). Written at exit: the calls of at least MIN_S,
+by start time, with their thread and nesting depth.
 
     python3 bench/probes/trace_calls.py OUT.txt bench/compare_child.py ARGS...
 """
@@ -19,13 +20,16 @@ import time
 MIN_S = 0.003
 COMFY = ("comfy/sample.py", "comfy/samplers.py", "comfy/model_management.py", "comfy/sd.py",
          "comfy/model_patcher.py", "comfy/sampler_helpers.py", "comfy/utils.py", "/nodes.py", "compare_child.py")
+TORCH = {("torch/cuda/__init__.py", "synchronize"), ("torch/nn/modules/module.py", "Module.to"),
+         ("torch/cuda/streams.py", "Stream.synchronize"), ("torch/cuda/streams.py", "Event.synchronize")}
 DISABLE = getattr(getattr(sys, "monitoring", None), "DISABLE", None)
 TOOL = 4   # a sys.monitoring tool id no profiler or debugger takes
 
 
 def _wanted(code) -> bool:
     f = code.co_filename.replace("\\", "/")
-    return "ringswap" in f or any(f.endswith(c) or c in f for c in COMFY)
+    return "ringswap" in f or any(f.endswith(c) or c in f for c in COMFY) \
+        or any(f.endswith(c) and code.co_qualname == q for c, q in TORCH)
 
 
 class Tracer:
