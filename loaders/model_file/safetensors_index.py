@@ -202,49 +202,39 @@ class SafetensorsIndex:
 
     def read_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The named tensors read from the file (the non-block weights, ~0.5 GB for Wan-14B) on
-        READ_WORKERS threads at once: each big one into a mapping of its own (untouched until read,
-        not zero-filled first: one thread filled bytearrays at ~1.7 GB/s, bench/RESULTS.md), the
-        small ones together into one buffer."""
+        READ_WORKERS threads at once, each into a buffer of its own; a big one in a mapping of its own,
+        untouched until read (one thread zero-filling bytearrays, then reading, ran at ~1.7 GB/s:
+        bench/RESULTS.md)."""
         infos = [self[n] for n in names]
         if not infos:
             return {}
-        small = [i for i in infos if i.nbytes < MAPPED_MIN]
         try:
             reader = RangeReader(self.path, workers=min(READ_WORKERS, len(infos)), drop_cache=False,
                                  chunk_bytes=READ_CHUNK)
         except BlockReadError as e:
             raise SafetensorsError(str(e)) from e
         with reader:
-            raws = {i.name: _buffer_like_mmap(i.nbytes, i.start) for i in infos if i.nbytes >= MAPPED_MIN}
-            reads = [([i], reader.read_into(raws[i.name], [(i.start, i.nbytes, 0)])) for i in infos
-                     if i.name in raws]
-            if small:
-                packed, places = _packed(small)
-                raws.update({i.name: packed[p:p + i.nbytes] for i, p in zip(small, places)})
-                reads.append((small, reader.read_into(packed, [(i.start, i.nbytes, p)
-                                                               for i, p in zip(small, places)])))
-            for read_infos, read in reads:
+            raws = [_buffer_like_mmap(i.nbytes, i.start) for i in infos]
+            reads = [reader.read_into(raw, [(i.start, i.nbytes, 0)]) for i, raw in zip(infos, raws)]
+            for i, read in zip(infos, reads):
                 try:
                     read.result()
                 except BlockReadError as e:
-                    raise self._read_error(read_infos, e) from e
-        return {i.name: (_typed(raws[i.name], i.dtype) if i.nbytes else torch.empty(0, dtype=i.dtype))
-                .reshape(i.shape) for i in infos}
+                    raise self._read_error(i, e) from e
+        return {i.name: (_typed(raw, i.dtype) if i.nbytes else torch.empty(0, dtype=i.dtype)).reshape(i.shape)
+                for i, raw in zip(infos, raws)}
 
-    def _read_error(self, infos: list[TensorInfo], e: BlockReadError) -> SafetensorsError:
-        """The error of a failed read of `infos`: the first tensor past the file's end where the
-        file is shorter now, else the reader's own error."""
+    def _read_error(self, info: TensorInfo, e: BlockReadError) -> SafetensorsError:
+        """The error of a failed read of `info`: where the file ends before the tensor now, how far."""
         try:
             size = os.path.getsize(self.path)
         except OSError:
             size = None
-        for i in infos:
-            if size is not None and size < i.end:
-                return SafetensorsError(f"{self.path}: tensor {i.name!r}: file ended after {max(0, size - i.start)} "
-                                        f"of {i.nbytes} bytes at offset {i.start} (truncated or replaced after "
-                                        "it was indexed?)")
-        return SafetensorsError(f"{self.path}: reading tensor {infos[0].name!r}"
-                                + (f" (and {len(infos) - 1} more)" if len(infos) > 1 else "") + f": {e}")
+        if size is not None and size < info.end:
+            return SafetensorsError(f"{self.path}: tensor {info.name!r}: file ended after {max(0, size - info.start)} "
+                                    f"of {info.nbytes} bytes at offset {info.start} (truncated or replaced after "
+                                    "it was indexed?)")
+        return SafetensorsError(f"{self.path}: reading tensor {info.name!r}: {e}")
 
 
 READ_WORKERS = 8              # threads reading the tensors (from the page cache ~9 GB/s into fresh memory)
@@ -267,18 +257,6 @@ def _buffer_like_mmap(nbytes: int, file_offset: int) -> torch.Tensor:
         whole = torch.frombuffer(bytearray(nbytes + ALIGN), dtype=torch.uint8)
     shift = (file_offset - whole.data_ptr()) % ALIGN
     return whole[shift:shift + nbytes]
-
-
-def _packed(infos: list[TensorInfo]) -> tuple[torch.Tensor, list[int]]:
-    """One buffer for `infos` (small tensors) and each one's place in it, aligned as
-    `_buffer_like_mmap` aligns one."""
-    whole = torch.frombuffer(bytearray(sum(i.nbytes + ALIGN for i in infos) + 1), dtype=torch.uint8)
-    places, at = [], 0
-    for i in infos:
-        at += (i.start - whole.data_ptr() - at) % ALIGN
-        places.append(at)
-        at += i.nbytes
-    return whole, places
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -208,3 +208,31 @@ def test_header_of_many_tensors_is_fast(tmp_path):
     idx = SafetensorsIndex.open(path)
     assert time.perf_counter() - t0 < 0.5
     assert len(idx.blocks_by_index()) == 50
+
+
+def test_big_tensors_read_in_parallel_chunks(tmp_path):
+    """Tensors of MAPPED_MIN bytes and more go into mappings of their own and are read in READ_CHUNK
+    pieces on several threads: bytes exact, each at its file offset's alignment (as a view into
+    ComfyUI's mmap would be), a big tensor past a truncation named with how far the file goes."""
+    from ringswap.loaders.model_file import safetensors_index as si
+    g = torch.Generator().manual_seed(1)
+    tensors = {"a.small": torch.randn(3, generator=g),
+               "b.big": torch.randn(si.READ_CHUNK // 2 + 1000, generator=g).to(torch.bfloat16).reshape(-1, 4),
+               "c.bigger": torch.randn(si.READ_CHUNK // 4 * 3 + 7, generator=g),
+               "d.small": torch.randn(5, 2, generator=g, dtype=torch.float16)}
+    path = str(tmp_path / "big.safetensors")
+    save_file(tensors, path)
+    idx = SafetensorsIndex.open(path)
+    got = idx.read_tensors(list(tensors))
+    for name, t in tensors.items():
+        _same(got[name], t)
+        assert got[name].data_ptr() % si.ALIGN == idx[name].start % si.ALIGN
+    assert idx["c.bigger"].nbytes > si.READ_CHUNK and idx["b.big"].nbytes >= si.MAPPED_MIN
+    big = max((idx[n] for n in ("b.big", "c.bigger")), key=lambda i: i.start)   # the later one in the file
+    with open(path, "r+b") as f:
+        f.truncate(big.start + 12345)
+    with pytest.raises(SafetensorsError, match=rf"{re.escape(path)}: tensor '{big.name}': file ended after 12345 "
+                                               rf"of {big.nbytes} bytes at offset {big.start}"):
+        idx.read_tensors([big.name])
+    with pytest.raises(SafetensorsError, match=r"file ended after \d+ of \d+ bytes"):
+        idx.read_tensors(list(tensors))
