@@ -16,7 +16,6 @@ then registering it in 256 MB pieces one at a time (swap/driver_turns.py), alone
 """
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 import threading
@@ -29,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
 import conftest  # noqa: E402,F401  (the repository as the package `ringswap`)
 from ringswap.loaders.model_file.range_reader import RangeReader  # noqa: E402
-from ringswap.swap.host_pool import REGISTER_READ_ONLY, register, unregister  # noqa: E402
+from ringswap.swap.file_pages import FilePages  # noqa: E402
+from ringswap.swap.host_pool import REGISTER_READ_ONLY, register, unregister, whole_pages  # noqa: E402
 
 PIECE = 702788608   # one Wan-14B bf16 block
 GB = 1e9
@@ -73,9 +73,7 @@ def pieces(data: torch.Tensor, count: int) -> list[tuple[int, int]]:
 
 
 def register_all(path: str, threads: int, count: int) -> str:
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    data = torch.frombuffer(m, dtype=torch.uint8)
+    data = FilePages(path).data   # the file mapped read-only, as the homes map it
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         budgets = list(pool.map(lambda c: register(c[0], c[1], REGISTER_READ_ONLY), pieces(data, count)))
@@ -94,9 +92,8 @@ MADV_POPULATE_READ = 22   # Linux 5.14+: fill the mapping's page tables from the
 def populated(path: str, how: str, count: int) -> str:
     """Page-lock the file's pages (1 thread) after filling the mapping's page tables first: does a
     populated mapping register faster than cudaHostRegister's own 10 GB/s?"""
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    data = torch.frombuffer(m, dtype=torch.uint8)
+    pages = FilePages(path)
+    m, data = pages.map, pages.data
     n = count * PIECE
     t0 = time.perf_counter()
     if how == "madvise":
@@ -118,18 +115,13 @@ def populated(path: str, how: str, count: int) -> str:
 def as_attach(path: str, count: int, threads: int = 4, piece: int = 256 << 20) -> str:
     """Each block's pages touched (a byte a page), then registered in `piece`s, one registration
     at a time through host_pool.register (its driver turns), on `threads` threads: GB/s."""
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    data = torch.frombuffer(m, dtype=torch.uint8)
+    data = FilePages(path).data
 
     def pin(k: int) -> list:
         block = data[k * PIECE:(k + 1) * PIECE]
+        lo, hi = whole_pages(block.data_ptr(), block.data_ptr() + PIECE)
         int(block[::4096].sum())
-        p0, out = block.data_ptr() // 4096 * 4096 + 4096, []
-        for a in range(p0, block.data_ptr() + PIECE - 4096, piece):
-            size = min(piece, (block.data_ptr() + PIECE) // 4096 * 4096 - a)
-            out.append((a, register(a, size, REGISTER_READ_ONLY)))
-        return out
+        return [(a, register(a, min(piece, hi - a), REGISTER_READ_ONLY)) for a in range(lo, hi, piece)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         done = [r for rs in pool.map(pin, range(count)) for r in rs]
@@ -152,9 +144,7 @@ def read_all(reader: RangeReader, bufs: list[torch.Tensor], count: int) -> str:
 
 
 def pageable(path: str) -> str:
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    data = torch.frombuffer(m, dtype=torch.uint8)
+    data = FilePages(path).data
     dst = torch.empty(PIECE, dtype=torch.uint8, device="cuda")
     out = []
     for k in range(2):   # first touch of the mapping, then again
