@@ -7,7 +7,9 @@ then hold each of a block's ~30 copy calls for one registration: a load's first 
 344 ms; bench/RESULTS.md). Here a registration starts only while no copy burst waits or runs, so
 a burst waits for at most the one registration in flight. Written here: the driver offers no
 priority between the two. A thread inside its own burst or registration goes on at once (a pin
-for its copy, an unpin run by the garbage collector) rather than wait for itself.
+for its copy, an unpin run by the garbage collector) rather than wait for itself. Among waiting
+registrations the one of the block called first goes next (`in_call_order`): the pinning threads
+would otherwise take turns in any order, and the first call waits for its blocks in order.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Iterator
 _cond = threading.Condition()
 _bursts = 0             # copy bursts waiting or running
 _registering = False    # a registration running (one at a time: the driver runs them so anyway)
+_waiting: list[float] = []   # the call-order keys of the registrations waiting
 _mine = threading.local()
 
 
@@ -33,6 +36,18 @@ def registration() -> Iterator[None]:
     """Around one cudaHostRegister or cudaHostUnregister: waits while copy bursts wait or run."""
     with _unless_mine(_register):
         yield
+
+
+@contextmanager
+def in_call_order(key: float) -> Iterator[None]:
+    """This thread's registrations inside wait behind those of blocks called before `key` (a block's
+    index in call order); one without a key goes first (a staging buffer, an unpin)."""
+    before = getattr(_mine, "key", float("-inf"))
+    _mine.key = key
+    try:
+        yield
+    finally:
+        _mine.key = before
 
 
 @contextmanager
@@ -68,8 +83,13 @@ def _burst() -> Iterator[None]:
 @contextmanager
 def _register() -> Iterator[None]:
     global _registering
+    key = getattr(_mine, "key", float("-inf"))
     with _cond:
-        _cond.wait_for(lambda: not _bursts and not _registering)
+        _waiting.append(key)
+        try:
+            _cond.wait_for(lambda: not _bursts and not _registering and key <= min(_waiting))
+        finally:
+            _waiting.remove(key)
         _registering = True
     try:
         yield

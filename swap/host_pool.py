@@ -294,13 +294,15 @@ class HostPool:
     def lock(self, indices: list[int]) -> bool:
         """Page-lock these blocks' homes where not yet, leaving the others as they are; stops
         at the first that fails (False). May run on another thread than the block copies."""
-        todo = [self.buffer(i) for i in indices if not self.buffer(i).pinned]
+        pending = [i for i in indices if not self.buffer(i).pinned]
+        todo = [self.buffer(i) for i in pending]
         t0 = time.perf_counter()
         done = 0
         try:
-            for buf in todo:
-                if not buf.pin():
-                    return False
+            for i, buf in zip(pending, todo):
+                with driver_turns.in_call_order(i):
+                    if not buf.pin():
+                        return False
                 done += buf.nbytes
         finally:
             if done:

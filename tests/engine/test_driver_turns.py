@@ -66,3 +66,34 @@ def test_an_interrupted_wait_leaves_no_turn_held():
         pass
     with driver_turns.registration():   # nothing left counted
         assert not driver_turns._bursts
+
+
+def test_waiting_registrations_go_in_call_order():
+    """Pinning threads waiting for their turn go by the call order of their blocks; one without a
+    block (a staging buffer, an unpin) before them all."""
+    log, n = [], 4
+    waiting = threading.Barrier(n + 1)
+
+    def register(key):
+        def go():
+            waiting.wait()
+            with driver_turns.registration():
+                log.append(key)
+        if key is None:
+            go()
+            return
+        with driver_turns.in_call_order(key):
+            go()
+
+    threads = [threading.Thread(target=register, args=(k,)) for k in (7, 3, None, 5)]
+    with driver_turns.copies():   # every registration waits behind this burst
+        for t in threads:
+            t.start()
+        waiting.wait()
+        deadline = time.time() + 5
+        while len(driver_turns._waiting) < n and time.time() < deadline:
+            time.sleep(0.01)
+    for t in threads:
+        t.join(timeout=5)
+    assert log == [None, 3, 5, 7]
+    assert not driver_turns._waiting
