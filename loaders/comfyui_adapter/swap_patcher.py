@@ -39,7 +39,7 @@ import comfy.model_management
 import comfy.model_patcher
 
 from ...lora.fold import BlockFolder, block_folder
-from ...swap import BlockSwapEngine
+from ...swap import BlockSwapEngine, driver_turns
 from ...swap.host_pool import set_pin_budget
 from ...swap.page_out import mapped_tensors, page_out_moved
 from ...swap.plane_coder import ans_coder
@@ -165,8 +165,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         # GGUF: the pack's layers never read lowvram weight functions, so its patches are always
         # hung on the weights (GGUFModelPatcher.load forces this too)
         force_patch_weights = force_patch_weights or gguf_tensors.holds_ggml(self.model)
-        try:
-            super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
+        try:   # its copies (non-block weights, pageable) as one burst: no page-locking starts meanwhile
+            with driver_turns.copies():
+                super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:
             engine.detach()
             raise
