@@ -90,6 +90,7 @@ def _register() -> Iterator[None]:
             _cond.wait_for(lambda: not _bursts and not _registering and key <= min(_waiting))
         finally:
             _waiting.remove(key)
+            _cond.notify_all()   # one given up (an interrupt) no longer holds back those behind it
         _registering = True
     try:
         yield
