@@ -88,6 +88,9 @@ def child_command(a, cell: dict, path: str, low: str | None = None) -> tuple[lis
     elif os.environ.get("RINGSWAP_BENCH_TRACE"):   # a folder: each cell's timeline there (bench/probes/trace_calls.py)
         out = os.path.join(os.environ["RINGSWAP_BENCH_TRACE"], cell["config"].replace("@", "_") + ".txt")
         script = f"{os.path.join(os.path.dirname(script), 'probes', 'trace_calls.py')} {out} {script}"
+    elif os.environ.get("RINGSWAP_BENCH_GPU"):   # a folder: each cell's GPU streams over time (bench/probes/gpu_timeline.py)
+        out = os.path.join(os.environ["RINGSWAP_BENCH_GPU"], cell["config"].replace("@", "_") + "_gpu.txt")
+        script = f"{os.path.join(os.path.dirname(script), 'probes', 'gpu_timeline.py')} {out} {script}"
     if runtime(a) == "device":
         setup = 'export RINGSWAP_COMFY="$1"; shift; source scripts/device_setup.sh >&2 && exec "$@"'
         return ["bash", "-c", setup, "_", cfg.comfy, "python3", *script.split(), *opts], env
