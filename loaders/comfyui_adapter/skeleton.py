@@ -147,7 +147,8 @@ def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...]) -
     """torch's load_state_dict recursion (so ComfyUI's ops see their full key prefixes),
     skipping the block lists; returns the missing keys. A tensor read as the module keeps it
     (same dtype, shape and device) becomes its storage first, so the load's copy is a no-op
-    (no second copy of the non-block weights: ~0.5 GB for Wan 14B)."""
+    (no second copy of the non-block weights, ~0.5 GB for Wan 14B; where ComfyUI picks another
+    dtype, e.g. fp16 for a bf16 Wan file on a GPU, the load casts as before)."""
     missing: list[str] = []
     unexpected: list[str] = []
     errors: list[str] = []
