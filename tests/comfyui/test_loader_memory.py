@@ -103,6 +103,24 @@ def test_ram_home_reads_every_block_once_at_load(wan):
     assert reader.bytes_read == total, "home=ram read from the file while sampling"
 
 
+def test_nonblock_weights_are_the_tensors_read(wan):
+    """A non-block weight the model keeps in the file's dtype (fp32 on the CPU) is the tensor read
+    from the file, at the file offset's alignment, not a second copy (skeleton._adopt); a bf16
+    file's are cast to the model's fp32 as ComfyUI's load casts them. Bit-exact either way."""
+    path, ref_outs, _ = wan
+    model = load_swapped_model(path, SwapSettings(2, 1), home="ram", disk_workers=2)
+    index = SafetensorsIndex.open(path)
+    kept = {n: p for n, p in model.model.diffusion_model.named_parameters() if not n.startswith("blocks.")}
+    assert kept and all(p.dtype == torch.float32 for p in kept.values())
+    same_dtype = all(index[n].dtype == torch.float32 for n in kept)
+    offsets = [index[n].start % 64 for n in kept]
+    assert any(offsets), "every non-block tensor starts 64-aligned in this file: the test shows nothing"
+    at_file_alignment = [p.data_ptr() % 64 == o for p, o in zip(kept.values(), offsets)]
+    assert all(at_file_alignment) if same_dtype else not all(at_file_alignment)
+    assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
+    comfy.model_management.unload_all_models()
+
+
 def test_disk_home_holds_no_block_memory_after_unload(wan):
     """After ComfyUI unloads the model, no block of a disk-home model keeps weights: the
     resident blocks' device buffers must be given back too (on CUDA they are VRAM that
