@@ -139,8 +139,8 @@ for p in "$@"; do
       unset RINGSWAP_BENCH_TRACE
       part held_copy 150 0.3.75 0 python3 -u bench/probes/held_copy.py /tmp/ringswap_bench/wan_bf16_l40_d5120.safetensors ;;
     ttfs-gpu) export RINGSWAP_BENCH_GPU="$OUT"   # the users' cell's first steps on the GPU, the Patch and ComfyUI
-      compare ttfs_gpu 200 --tokens 7800 --cfgs 5 --links halved --prompt-steps 2 \
-        --configs rs-patch-0.33-dyn@12,comfy-0.33-dyn@12
+      compare ttfs_gpu 240 --tokens 7800 --cfgs 5 --links halved --prompt-steps 2 \
+        --configs rs-patch-0.33-dyn@12 comfy-0.33-dyn@12
       unset RINGSWAP_BENCH_GPU ;;
     pin-probe) head -c 17000000000 /dev/zero >/tmp/pin_probe.bin
       part pin_probe 150 0.3.75 0 bash -c "python3 -u bench/probes/pin_contention.py /tmp/pin_probe.bin &&
