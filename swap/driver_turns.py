@@ -88,9 +88,11 @@ def _register() -> Iterator[None]:
         _waiting.append(key)
         try:
             _cond.wait_for(lambda: not _bursts and not _registering and key <= min(_waiting))
-        finally:
+        except BaseException:   # given up (an interrupt): it no longer holds back those behind it
             _waiting.remove(key)
-            _cond.notify_all()   # one given up (an interrupt) no longer holds back those behind it
+            _cond.notify_all()
+            raise
+        _waiting.remove(key)
         _registering = True
     try:
         yield

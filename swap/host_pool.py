@@ -294,12 +294,11 @@ class HostPool:
     def lock(self, indices: list[int]) -> bool:
         """Page-lock these blocks' homes where not yet, leaving the others as they are; stops
         at the first that fails (False). May run on another thread than the block copies."""
-        pending = [i for i in indices if not self.buffer(i).pinned]
-        todo = [self.buffer(i) for i in pending]
+        pending = [(i, self.buffer(i)) for i in indices if not self.buffer(i).pinned]
         t0 = time.perf_counter()
         done = 0
         try:
-            for i, buf in zip(pending, todo):
+            for i, buf in pending:
                 with driver_turns.in_call_order(i):
                     if not buf.pin():
                         return False

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "engine"))
 import conftest  # noqa: E402,F401  (the repository as the package `ringswap`)
 from ringswap.loaders.model_file.range_reader import RangeReader  # noqa: E402
 from ringswap.swap.file_pages import FilePages  # noqa: E402
-from ringswap.swap.host_pool import REGISTER_READ_ONLY, register, unregister, whole_pages  # noqa: E402
+from ringswap.swap.host_pool import PAGE, REGISTER_READ_ONLY, register, unregister, whole_pages  # noqa: E402
 
 PIECE = 702788608   # one Wan-14B bf16 block
 GB = 1e9
@@ -100,7 +100,7 @@ def populated(path: str, how: str, count: int) -> str:
         m.madvise(MADV_POPULATE_READ, 0, n)
     elif how == "touch":   # one byte a page, 8 threads
         with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda k: int(data[k * PIECE:(k + 1) * PIECE:4096].sum()), range(count)))
+            list(pool.map(lambda k: int(data[k * PIECE:(k + 1) * PIECE:PAGE].sum()), range(count)))
     t1 = time.perf_counter()
     budgets = [register(p, size, REGISTER_READ_ONLY) for p, size in pieces(data, count)]
     t2 = time.perf_counter()
@@ -120,7 +120,7 @@ def as_attach(path: str, count: int, threads: int = 4, piece: int = 256 << 20) -
     def pin(k: int) -> list:
         block = data[k * PIECE:(k + 1) * PIECE]
         lo, hi = whole_pages(block.data_ptr(), block.data_ptr() + PIECE)
-        int(block[::4096].sum())
+        int(data[lo - data.data_ptr():hi - data.data_ptr():PAGE].sum())   # its own pages, as MappedBlock.pin
         return [(a, register(a, min(piece, hi - a), REGISTER_READ_ONLY)) for a in range(lo, hi, piece)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:

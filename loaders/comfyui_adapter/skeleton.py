@@ -171,6 +171,6 @@ def _adopt(module: torch.nn.Module, sd: dict, prefix: str) -> None:
     """Point `module`'s own parameters at the state dict's tensors where they match as they are."""
     for name, param in module._parameters.items():
         t = sd.get(prefix + name)
-        if (param is not None and isinstance(t, torch.Tensor) and type(t) is torch.Tensor
+        if (param is not None and type(t) is torch.Tensor
                 and t.dtype == param.dtype and t.shape == param.shape and t.device == param.device):
             param.data = t
