@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Callable, ContextManager
 
+from . import driver_turns
 from .hooks import BlockHooks
 from .host_pool import Fill, HostBuffer, HostPool
 from .ram_homes import EarlyPins
@@ -49,6 +50,7 @@ class FirstUse:
         self.flight: set[int] = set()   # resident blocks whose staging read is submitted, not yet placed
         self.fills: dict[int, Fill] = {}   # the homes this load reads, by block
         self.pinner = ThreadPoolExecutor(2, thread_name_prefix="ringswap-pin") if pin else None
+        self.hold = driver_turns.Hold() if pin else None   # page-locking runs while this call waits for it
         self.nbytes = sum(states[i].layout.nbytes for i in self.todo if i not in pool.mapped)   # read
         self.pins: dict[int, Future] = {}   # resident blocks placed from the file's pages: page-locking them
         self.t0 = time.perf_counter()
@@ -159,7 +161,8 @@ class FirstUse:
         if mapped is not None:   # the file's pages, page-locked ahead where they can be
             pin = self.pins.pop(block, None)
             if pin is not None:
-                pin.result()
+                with driver_turns.aside():
+                    pin.result()
             out, left = s.device_buffer, []
             ready = att.copier.enqueue(lambda: left.append(mapped.land(out)), None, timed=False)
             if left[0] is not None:   # its casts on the land stream, the compute waits for them
@@ -189,6 +192,7 @@ class FirstUse:
         """After the first call: place the resident blocks it never called and wait for every home
         (the caller lands the slots still reading); returns (bytes read, seconds since the attach,
         seconds until the last read was done, page-locking seconds)."""
+        self._let_go()
         for block in sorted(self.placing):
             self.place(block)
         for fill in self.fills.values():
@@ -198,10 +202,15 @@ class FirstUse:
         self.stop()
         return self.nbytes, time.perf_counter() - self.t0, self.reads_done - self.t0, self.pin_s
 
+    def _let_go(self) -> None:
+        if self.hold is not None:
+            self.hold.release()
+
     def stop(self) -> set[int]:
         """Take the first use down (done, or given up by a detach): no more reads start, reads in
         flight are waited for; a home read in full is kept, one not read is dropped. Returns the
         resident blocks never placed (their device buffers hold nothing)."""
+        self._let_go()
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None

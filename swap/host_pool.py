@@ -263,7 +263,8 @@ class HostPool:
         it was not); raises the read's error."""
         fill = self.filling[index]
         fill.start()
-        fill.future.result()
+        with driver_turns.aside():   # a first call's home: its read, then its page-locking
+            fill.future.result()
         del self.filling[index]
         self.blocks[index] = fill.buffer
         return fill.buffer

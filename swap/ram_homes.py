@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from . import driver_turns
 from .coding import Coding
 from .home_policy import HomePolicy
 from .homes import CodedHome, RamHome, home_of
@@ -111,10 +112,12 @@ class EarlyPins:
     def wait(self, block: int) -> None:
         pin = self.pins.get(block)
         if pin is not None:
-            futures.wait([pin])
+            with driver_turns.aside():
+                futures.wait([pin])
 
     def join(self) -> None:
-        futures.wait(list(self.pins.values()))
+        with driver_turns.aside():
+            futures.wait(list(self.pins.values()))
 
 
 def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int]) -> EarlyPins | None:

@@ -97,3 +97,62 @@ def test_waiting_registrations_go_in_call_order():
         t.join(timeout=5)
     assert log == [None, 3, 5, 7]
     assert not driver_turns._waiting
+
+
+def _registering_thread(log: list) -> threading.Thread:
+    def register():
+        with driver_turns.registration():
+            log.append("registered")
+    t = threading.Thread(target=register)
+    t.start()
+    return t
+
+
+def test_a_first_calls_hold_lets_registrations_run_only_while_it_waits_aside():
+    """A load's first call holds page-locking off (its kernel launches would each wait for one
+    registration piece) except while it waits for a home: then the registration runs."""
+    log = []
+    hold = driver_turns.Hold()
+    try:
+        t = _registering_thread(log)
+        time.sleep(0.2)
+        assert log == []   # held off
+        with driver_turns.registration():   # the holding thread's own goes on at once
+            log.append("mine")
+        with driver_turns.aside():
+            t.join(timeout=5)
+        assert log == ["mine", "registered"]
+        t = _registering_thread(log)
+        time.sleep(0.2)
+        assert log == ["mine", "registered"]   # held again after the wait
+    finally:
+        hold.release()
+        hold.release()   # idempotent
+    t.join(timeout=5)
+    assert log == ["mine", "registered", "registered"] and not driver_turns._holds
+
+
+def test_a_hold_its_thread_never_lets_go_expires(monkeypatch):
+    """A first call that never comes (an attach, then an error before sampling) holds registrations
+    off for at most PATIENCE_S; a hold released from another thread frees them at once."""
+    monkeypatch.setattr(driver_turns, "PATIENCE_S", 0.3)
+    log = []
+    hold = driver_turns.Hold()
+    t0 = time.monotonic()
+    _registering_thread(log).join(timeout=5)
+    assert log == ["registered"] and time.monotonic() - t0 >= 0.25
+    hold.release()
+    holder = []
+    taken = threading.Event()
+
+    def hold_in_a_thread():
+        holder.append(driver_turns.Hold())
+        taken.set()
+    threading.Thread(target=hold_in_a_thread).start()
+    taken.wait(timeout=5)
+    t = _registering_thread(log)
+    time.sleep(0.1)
+    assert log == ["registered"]
+    holder[0].release()
+    t.join(timeout=5)
+    assert log == ["registered", "registered"] and not driver_turns._holds
