@@ -17,8 +17,10 @@ import logging
 import mmap
 import threading
 import time
+import weakref
 from concurrent.futures import Future
-from typing import Callable, Protocol
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -73,7 +75,36 @@ def mapped_bytes(nbytes: int) -> torch.Tensor:
     mmap threshold to the largest block freed (up to 32 MiB), so such buffers then come from
     its heaps (one per thread that allocates), which keep what is freed among what lives on:
     a server's RSS climbed a few MiB every load. Linux and Windows (mmap.mmap(-1, n))."""
-    return torch.frombuffer(mmap.mmap(-1, _page_round(max(nbytes, 1))), dtype=torch.uint8)[:nbytes]
+    region = mmap.mmap(-1, _page_round(max(nbytes, 1)))
+    whole = torch.frombuffer(region, dtype=torch.uint8)
+    _REGIONS[whole.data_ptr()] = region
+    return whole[:nbytes]
+
+
+_REGIONS: "weakref.WeakValueDictionary[int, mmap.mmap]" = weakref.WeakValueDictionary()   # mapped_bytes', by address
+
+
+@contextmanager
+def locked_while(tensors: Iterable[torch.Tensor]) -> Iterator[int]:
+    """Page-lock the mappings (mapped_bytes) that hold those of `tensors` on the CPU while a copy
+    from them runs, then let them go; yields the bytes locked (0 where CUDA refuses). ComfyUI's load
+    copies the non-block weights from pageable memory, ~2.8 GB/s (0.18 s of Wan 14B's first load on
+    an H100); the mapping is held until unlocked, whoever frees its tensors meanwhile."""
+    regions = {}
+    for t in tensors:
+        region = _REGIONS.get(t.untyped_storage().data_ptr()) if t.device.type == "cpu" and t.numel() else None
+        if region is not None:
+            regions[t.untyped_storage().data_ptr()] = region
+    locked = []
+    try:
+        for ptr, region in regions.items():
+            budget = register(ptr, len(region)) if torch.cuda.is_available() else False
+            if budget is not False:
+                locked.append((ptr, budget, region))
+        yield sum(len(region) for _, _, region in locked)
+    finally:
+        for ptr, budget, _ in locked:
+            unregister(ptr, budget)
 
 
 MAPPED_MIN_BYTES = 128 * 1024   # glibc's initial mmap threshold: what it maps itself until that moves

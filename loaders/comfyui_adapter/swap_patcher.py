@@ -32,6 +32,7 @@ import sys
 import time
 import uuid
 import weakref
+from itertools import chain
 
 import torch
 
@@ -40,7 +41,7 @@ import comfy.model_patcher
 
 from ...lora.fold import BlockFolder, block_folder
 from ...swap import BlockSwapEngine, driver_turns
-from ...swap.host_pool import set_pin_budget
+from ...swap.host_pool import locked_while, set_pin_budget
 from ...swap.page_out import mapped_tensors, page_out_moved
 from ...swap.plane_coder import ans_coder
 from ...swap.load_plan import CODED, KEEP, LOAD, LoadPlan, NotEnoughVRAM, SwapSettings, bytes_before_attach, kept_at_unload, plan_load
@@ -165,8 +166,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         # GGUF: the pack's layers never read lowvram weight functions, so its patches are always
         # hung on the weights (GGUFModelPatcher.load forces this too)
         force_patch_weights = force_patch_weights or gguf_tensors.holds_ggml(self.model)
-        try:   # its copies (non-block weights, pageable) as one burst: no page-locking starts meanwhile
-            with driver_turns.copies():
+        try:   # its copies (non-block weights) as one burst, from page-locked memory where RingSwap's load made them
+            with driver_turns.copies(), locked_while(self._host_weights(device)):
                 super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:
             engine.detach()
@@ -177,6 +178,9 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         else:
             self.model.model_loaded_weight_memory += engine.device_bytes()
         log.info(_load_line(plan, engine.facts(), folder, device, given_back, time.perf_counter() - t0, switched))
+
+    def _host_weights(self, device: torch.device):
+        return chain(self.model.parameters(), self.model.buffers()) if device.type == "cuda" else ()
 
     def _plan(self, device: torch.device, full_load: bool, change: str = LOAD, **extra) -> LoadPlan:
         """swap.load_plan's plan for this load; where the GGUF weights made dense on landing do not

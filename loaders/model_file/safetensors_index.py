@@ -7,7 +7,6 @@ file, the tensor and what was expected.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import struct
@@ -16,6 +15,7 @@ from typing import Iterable
 
 import torch
 
+from ...swap.host_pool import mapped_bytes
 from .range_reader import BlockReadError, RangeReader
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -252,7 +252,7 @@ def _buffer_like_mmap(nbytes: int, file_offset: int) -> torch.Tensor:
     bit-identical to ComfyUI's). From MAPPED_MIN bytes in an anonymous mapping of its own,
     freed to the OS with the tensor (Linux and Windows)."""
     if nbytes >= MAPPED_MIN:
-        whole = torch.frombuffer(mmap.mmap(-1, nbytes + ALIGN), dtype=torch.uint8)
+        whole = mapped_bytes(nbytes + ALIGN)
     else:
         whole = torch.frombuffer(bytearray(nbytes + ALIGN), dtype=torch.uint8)
     shift = (file_offset - whole.data_ptr()) % ALIGN

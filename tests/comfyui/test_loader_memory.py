@@ -28,7 +28,8 @@ import comfy.model_management
 import nodes as comfy_nodes
 
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
-from ringswap.loaders.model_file.safetensors_index import SafetensorsIndex
+from ringswap.swap import host_pool
+from ringswap.loaders.model_file.safetensors_index import MAPPED_MIN, SafetensorsIndex
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapSettings
 from wan_model import conditioning, forward, inputs, latent, load_stock, tiny_wan
 
@@ -117,6 +118,25 @@ def test_nonblock_weights_are_the_tensors_read(wan):
     assert any(offsets), "every non-block tensor starts 64-aligned in this file: the test shows nothing"
     at_file_alignment = [p.data_ptr() % 64 == o for p, o in zip(kept.values(), offsets)]
     assert all(at_file_alignment) if same_dtype else not all(at_file_alignment)
+    assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
+    comfy.model_management.unload_all_models()
+
+
+def test_nonblock_weights_are_page_locked_for_comfyuis_copy(wan):
+    """Every non-block weight of a RingSwap load of 1 MiB or more (smaller ones are read into or made in
+    malloc's memory) lives in a mapping of its own (host_pool.mapped_bytes),
+    which locked_while page-locks while ComfyUI's load copies it to the GPU (from pageable memory that
+    copy ran at ~2.8 GB/s) and lets go after: on a GPU all its bytes at once, then again (nothing was
+    left registered); on the CPU nothing."""
+    path, ref_outs, _ = wan
+    model = load_swapped_model(path, SwapSettings(2, 1), home="auto", disk_workers=2)
+    kept = [t for n, t in (*model.model.diffusion_model.named_parameters(), *model.model.diffusion_model.named_buffers())
+            if not n.startswith("blocks.") and t.untyped_storage().nbytes() >= MAPPED_MIN]
+    assert kept and all(t.untyped_storage().data_ptr() in host_pool._REGIONS for t in kept)
+    nbytes = sum(t.untyped_storage().nbytes() for t in kept)
+    for _ in range(2):
+        with host_pool.locked_while(kept) as locked:
+            assert locked >= nbytes if torch.cuda.is_available() else locked == 0
     assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
     comfy.model_management.unload_all_models()
 
