@@ -146,7 +146,7 @@ app.registerExtension({
         v.live = detail;
         v.states = detail.states;
         v.current = detail.current;
-        v.liveLog.push({ t: Date.now(), states: detail.states, current: detail.current, step: detail.step, calls: detail.calls });
+        v.liveLog.push({ t: Date.now(), sent: detail.elapsed_s, states: detail.states, current: detail.current, step: detail.step, calls: detail.calls });
         if (v.liveLog.length > 1000) v.liveLog.shift();
         refresh(node);
       }

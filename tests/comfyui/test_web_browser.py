@@ -165,8 +165,8 @@ def test_widget_plan_live_run_and_pixels(server, budget):
         log = v["liveLog"]
         assert len({(m["states"], m["current"]) for m in log}) >= 2, log
         assert all(len(m["states"]) == BLOCKS and set(m["states"]) <= set("GRCHD") for m in log)
-        span = (log[-1]["t"] - log[0]["t"]) / 1000.0
-        assert len(log) <= 10 * span + 3, (len(log), span)   # 10 a second, give or take delivery jitter
+        span = log[-1]["sent"] - log[0]["sent"]   # the server's clock: a loaded machine delivers them bunched
+        assert len(log) <= 10 * span + 3, (len(log), span)   # 10 a second
         run = v["run"]
         assert run["steps"] == STEPS and run["s_per_step"] > 0 and run["streamed"] == BLOCKS - small_window + 1
         assert run["live_messages"] >= len(log) >= 2 and run["window"] == small_window
