@@ -37,10 +37,9 @@ class Hold:
 
     def __init__(self) -> None:
         self.thread, self.aside, self.since = threading.current_thread(), False, time.monotonic()
-        with _cond:
-            self.on = self.thread not in _holds   # one hold a thread
-            if self.on:
-                _holds[self.thread] = self
+        with _cond:   # one hold a thread: the latest load's (one never released holds nothing after PATIENCE_S)
+            self.on = True
+            _holds[self.thread] = self
 
     def holding(self, now: float) -> bool:
         return self.on and not self.aside and now - self.since < PATIENCE_S
@@ -49,7 +48,8 @@ class Hold:
         with _cond:
             if self.on:
                 self.on = False
-                del _holds[self.thread]
+                if _holds.get(self.thread) is self:
+                    del _holds[self.thread]
                 _cond.notify_all()
 
 

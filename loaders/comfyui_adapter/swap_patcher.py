@@ -167,7 +167,7 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         # hung on the weights (GGUFModelPatcher.load forces this too)
         force_patch_weights = force_patch_weights or gguf_tensors.holds_ggml(self.model)
         try:   # its copies (non-block weights) as one burst, from page-locked memory where RingSwap's load made them
-            with driver_turns.copies(), locked_while(self._host_weights(device)):
+            with driver_turns.copies(), locked_while(self._host_weights(device, plan)):
                 super().load(device_to, lowvram_model_memory, force_patch_weights, full_load, *args, **kwargs)
         except BaseException:
             engine.detach()
@@ -179,8 +179,12 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
             self.model.model_loaded_weight_memory += engine.device_bytes()
         log.info(_load_line(plan, engine.facts(), folder, device, given_back, time.perf_counter() - t0, switched))
 
-    def _host_weights(self, device: torch.device):
-        return chain(self.model.parameters(), self.model.buffers()) if device.type == "cuda" else ()
+    def _host_weights(self, device: torch.device, plan: LoadPlan) -> list[torch.Tensor]:
+        """The non-block weights ComfyUI's load copies to `device` (page-locked for it unless pinning is off)."""
+        if device.type != "cuda" or plan.pin_memory == "off":
+            return []
+        inside = {id(t) for s in self.swap_engine.states for t in chain(s.block.parameters(), s.block.buffers())}
+        return [t for t in chain(self.model.parameters(), self.model.buffers()) if id(t) not in inside]
 
     def _plan(self, device: torch.device, full_load: bool, change: str = LOAD, **extra) -> LoadPlan:
         """swap.load_plan's plan for this load; where the GGUF weights made dense on landing do not

@@ -156,3 +156,18 @@ def test_a_hold_its_thread_never_lets_go_expires(monkeypatch):
     holder[0].release()
     t.join(timeout=5)
     assert log == ["registered", "registered"] and not driver_turns._holds
+
+
+def test_a_new_hold_on_a_thread_replaces_one_never_released():
+    """A load whose first use was never taken down must not leave the next load's first call unheld."""
+    log = []
+    stale = driver_turns.Hold()
+    hold = driver_turns.Hold()
+    t = _registering_thread(log)
+    time.sleep(0.2)
+    stale.release()   # the old one's release leaves the new hold in place
+    time.sleep(0.2)
+    assert log == []
+    hold.release()
+    t.join(timeout=5)
+    assert log == ["registered"] and not driver_turns._holds
