@@ -1,6 +1,7 @@
 """home=auto in-process: the streamed blocks get RAM homes as far as the RAM budget allows, the
 rest stream from the file, resident blocks hold no RAM; outputs equal the stock loader's."""
 import logging
+import threading
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import comfy.model_management
 
 from ringswap.loaders.comfyui_adapter.load_swapped import load_swapped_model
 from ringswap.loaders.comfyui_adapter.swap_patcher import SwapModelPatcher, SwapSettings
+from ringswap.swap import driver_turns
 from wan_model import forward, inputs, load_stock, tiny_wan
 
 BLOCKS = 8
@@ -167,3 +169,27 @@ def test_blocks_cast_to_another_size_on_a_gpu_map_only_where_those_casts_are_sma
         assert bool(engine.pool.mapped) == (mapped or not resized), (limit, pages, engine.plan.describe(),
                                                                     sorted(engine.pool.blocks))
         comfy.model_management.unload_all_models()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_first_call_holds_page_locking_off_until_its_end(wan):
+    """On a GPU a load's first call, its homes page-locked as it runs, holds page-locking off except
+    while it waits for a home (driver_turns.Hold): held when its first block computes, not in the
+    next call, none left once the model is off the device; outputs equal the stock loader's."""
+    path, want = wan
+    model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
+    engine = model.swap_engine
+    if not maps(engine):
+        pytest.skip("this file's blocks keep RAM homes on this GPU")
+    held = []
+    hook = engine.states[0].block.register_forward_pre_hook(
+        lambda m, a: held.append(threading.current_thread() in driver_turns._holds))
+    try:
+        for _ in range(2):
+            assert torch.equal(forward(model, *inputs(seed=0)), want)
+    finally:
+        hook.remove()
+    assert held[0] and not any(held[1:]), held
+    comfy.model_management.unload_all_models()
+    assert not driver_turns._holds and not engine.pool.pinned_bytes
