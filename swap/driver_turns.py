@@ -38,18 +38,15 @@ class Hold:
     def __init__(self) -> None:
         self.thread, self.aside, self.since = threading.current_thread(), False, time.monotonic()
         with _cond:   # one hold a thread: the latest load's (one never released holds nothing after PATIENCE_S)
-            self.on = True
             _holds[self.thread] = self
 
     def holding(self, now: float) -> bool:
-        return self.on and not self.aside and now - self.since < PATIENCE_S
+        return not self.aside and now - self.since < PATIENCE_S
 
     def release(self) -> None:
         with _cond:
-            if self.on:
-                self.on = False
-                if _holds.get(self.thread) is self:
-                    del _holds[self.thread]
+            if _holds.get(self.thread) is self:
+                del _holds[self.thread]
                 _cond.notify_all()
 
 
