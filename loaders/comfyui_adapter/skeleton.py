@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -20,7 +21,7 @@ import comfy.model_management
 import comfy.utils
 
 from ..model_file.quant import build_quantized_blocks, comfy_quant_layers, declare_fp8_layers
-from ..model_file.safetensors_index import SafetensorsIndex
+from ..model_file.safetensors_index import SafetensorsIndex, owned
 from . import comfy_features as features
 from . import comfy_models
 from .file_names import FileNames, comfy_prefix
@@ -28,6 +29,7 @@ from .file_names import FileNames, comfy_prefix
 log = logging.getLogger("ringswap.skeleton")
 
 SMALL_BYTES = 64 * 1024   # block tensors at most this big are read for detection (scales, comfy_quant)
+CASTABLE = (torch.float16, torch.bfloat16, torch.float32)   # non-block weights the load may cast from the file's pages
 
 
 @dataclass
@@ -52,10 +54,11 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
     memory estimate only, nothing loaded)."""
     model_options = model_options or {}
     path = index.path
-    small = [n for n, t in index.tensors.items()
-             if t.nbytes <= SMALL_BYTES or weights and not _is_block_key(n, "", list_names)
-             and not _is_block_key(n, "model.diffusion_model.", list_names)]
-    real = index.read_tensors(small)
+    big = [n for n, t in index.tensors.items() if weights and t.nbytes > SMALL_BYTES
+           and not _is_block_key(n, "", list_names) and not _is_block_key(n, "model.diffusion_model.", list_names)]
+    views = index.mapped_tensors([n for n in big if index[n].dtype in CASTABLE])
+    real = {**index.read_tensors([n for n, t in index.tensors.items() if t.nbytes <= SMALL_BYTES]
+                                 + [n for n in big if n not in views]), **views}
     sd = {n: real[n] if n in real else torch.empty(t.shape, dtype=t.dtype, device="meta")
           for n, t in index.tensors.items()}
 
@@ -94,7 +97,7 @@ def build_skeleton(index: SafetensorsIndex, list_names: tuple[str, ...],
         build_quantized_blocks(block_modules, block_sd, layers, manual_cast_dtype or unet_dtype, path,
                                reads_comfy_quant)
         nonblock = {n: t for n, t in sd.items() if not _is_block_key(n, "", list_names)}
-        missing = _load_nonblock(dm, model_config.process_unet_state_dict(nonblock), list_names)
+        missing = _load_nonblock(dm, model_config.process_unet_state_dict(nonblock), list_names, _views_of(views))
     if missing:
         log.warning("RingSwap: %s: missing non-block weights: %s", path, missing)
     return Skeleton(model, model_config, load_device, offload_device, names)
@@ -143,22 +146,34 @@ def _check_blocks_complete(sd: dict, list_names: tuple[str, ...], path: str) -> 
                              + "; the other blocks have it")
 
 
-def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...]) -> list[str]:
+def _views_of(views: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], bool]:
+    """Whether a tensor lies in the storage of one of `views` (the file's mapping)."""
+    bases = {t.untyped_storage().data_ptr() for t in views.values()}
+    return lambda t: type(t) is torch.Tensor and t.untyped_storage().data_ptr() in bases
+
+
+def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...],
+                   file_view: Callable[[torch.Tensor], bool]) -> list[str]:
     """torch's load_state_dict recursion (so ComfyUI's ops see their full key prefixes),
     skipping the block lists; returns the missing keys. A tensor read as the module keeps it
     (same dtype, shape and device) becomes its storage first, so the load's copy is a no-op
-    (no second copy of the non-block weights, ~0.5 GB for Wan 14B; where ComfyUI picks another
-    dtype, e.g. fp16 for a bf16 Wan file on a GPU, the load casts as before)."""
+    (no second copy of the non-block weights, ~0.5 GB for Wan 14B); one in the file's pages
+    (`file_view`) is copied first. Where ComfyUI picks another dtype (fp16 for a bf16 Wan file on
+    a GPU) the load casts from the file's pages; a module left holding them after gets a copy."""
     missing: list[str] = []
     unexpected: list[str] = []
     errors: list[str] = []
 
     def load(module, prefix):
-        _adopt(module, sd, prefix)
+        _adopt(module, sd, prefix, file_view)
         module._load_from_state_dict(sd, prefix, {}, False, missing, unexpected, errors)
         for name, child in module._modules.items():
             if child is not None and not (module is dm and name in list_names):
                 load(child, prefix + name + ".")
+        for tensors in (module._parameters, module._buffers):
+            for t in tensors.values():
+                if t is not None and file_view(t.data):
+                    t.data = owned(t.data)
 
     with torch.no_grad():
         load(dm, "")
@@ -167,10 +182,10 @@ def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...]) -
     return missing
 
 
-def _adopt(module: torch.nn.Module, sd: dict, prefix: str) -> None:
+def _adopt(module: torch.nn.Module, sd: dict, prefix: str, file_view: Callable[[torch.Tensor], bool]) -> None:
     """Point `module`'s own parameters at the state dict's tensors where they match as they are."""
     for name, param in module._parameters.items():
         t = sd.get(prefix + name)
         if (param is not None and type(t) is torch.Tensor
                 and t.dtype == param.dtype and t.shape == param.shape and t.device == param.device):
-            param.data = t
+            param.data = owned(t) if file_view(t) else t

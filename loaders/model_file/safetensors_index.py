@@ -15,6 +15,7 @@ from typing import Iterable
 
 import torch
 
+from ...swap.file_pages import FilePages
 from ...swap.host_pool import mapped_bytes
 from .range_reader import BlockReadError, RangeReader
 
@@ -224,6 +225,21 @@ class SafetensorsIndex:
         return {i.name: (_typed(raw, i.dtype) if i.nbytes else torch.empty(0, dtype=i.dtype)).reshape(i.shape)
                 for i, raw in zip(infos, raws)}
 
+    def mapped_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors as read-only views of the file's pages, nothing read: for weights a load
+        casts into tensors of their own anyway (bf16 -> fp16: the cast reads the page cache once, where
+        reading first wrote every byte twice). Nothing may write them or keep them past the load (a
+        page cut off by a later truncation would crash the process when touched); `owned` copies one.
+        A tensor the file no longer holds whole is named, as read_tensors does."""
+        infos = [self[n] for n in names]
+        if not infos:
+            return {}
+        data = FilePages(self.path).data
+        for i in infos:
+            if i.end > data.numel():
+                raise self._read_error(i, BlockReadError(f"the mapping ends at byte {data.numel()}"))
+        return {i.name: _typed(data[i.start:i.end], i.dtype).reshape(i.shape) for i in infos}
+
     def _read_error(self, info: TensorInfo, e: BlockReadError) -> SafetensorsError:
         """The error of a failed read of `info`: where the file ends before the tensor now, how far."""
         try:
@@ -257,6 +273,13 @@ def _buffer_like_mmap(nbytes: int, file_offset: int) -> torch.Tensor:
         whole = torch.frombuffer(bytearray(nbytes + ALIGN), dtype=torch.uint8)
     shift = (file_offset - whole.data_ptr()) % ALIGN
     return whole[shift:shift + nbytes]
+
+
+def owned(view: torch.Tensor) -> torch.Tensor:
+    """A copy of `view` (e.g. of mapped_tensors) in memory of its own at the same address mod ALIGN."""
+    raw = _buffer_like_mmap(view.nbytes, view.data_ptr())
+    raw.copy_(view.reshape(-1).view(torch.uint8))
+    return _typed(raw, view.dtype).reshape(view.shape)
 
 
 def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,7 @@ Run as a script (`--rss-child ...`) this file is the child process of the RSS te
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -118,6 +119,23 @@ def test_nonblock_weights_are_the_tensors_read(wan):
     assert any(offsets), "every non-block tensor starts 64-aligned in this file: the test shows nothing"
     at_file_alignment = [p.data_ptr() % 64 == o for p, o in zip(kept.values(), offsets)]
     assert all(at_file_alignment) if same_dtype else not all(at_file_alignment)
+    assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
+    comfy.model_management.unload_all_models()
+
+
+def test_nonblock_weights_keep_nothing_of_the_file_mapped(wan, tmp_path):
+    """The non-block weights are cast (bf16 file) or copied (fp32) from a mapping of the file
+    (SafetensorsIndex.mapped_tensors), which nothing keeps after the load: the file is no longer
+    mapped (Linux: /proc/self/maps), and truncated to nothing it leaves a home=ram model exact."""
+    src, ref_outs, _ = wan
+    path = str(tmp_path / os.path.basename(src))
+    shutil.copyfile(src, path)
+    model = load_swapped_model(path, SwapSettings(2, 1), home="ram", disk_workers=2)
+    gc.collect()
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as f:
+            assert os.path.realpath(path) not in f.read(), "the loaded model keeps the file mapped"
+    os.truncate(path, 0)
     assert torch.equal(forward(model, *inputs(seed=0)), ref_outs[0])
     comfy.model_management.unload_all_models()
 
