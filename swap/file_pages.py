@@ -51,11 +51,10 @@ class FilePages:
         return self._pinnable
 
     def close(self) -> None:
-        self.data = None
-        try:
-            self.map.close()
-        except BufferError:   # a view still exported (a block bound to it): freed with it
-            pass
+        """Let go of the mapping: unmapped once no view of it is left. Not mmap.close(): torch.frombuffer's
+        views keep the mapping object alive but do not export its buffer, so close() would unmap pages a
+        home still copies from (or a pinning thread still registers: a crash)."""
+        self.data = self.map = None
 
 
 class MappedBlock(InPlace):

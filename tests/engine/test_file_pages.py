@@ -202,3 +202,16 @@ def test_an_attach_that_codes_reads_its_mapped_homes_into_ram(tmp_path):
     assert not engine.pool.mapped and set(engine.pool.coded) == set(plan.streamed)
     assert torch.equal(run(blocks, X.to(torch.bfloat16)), ref)
     engine.detach()
+
+
+def test_closing_the_file_pages_leaves_the_views_readable(tmp_path):
+    """FilePages.close lets go of the mapping; a view taken before (a home's tensor, a pin in flight)
+    still reads the file's bytes: the mapping goes with the last view (unmapped under it, a read would crash)."""
+    path = os.path.join(tmp_path, "c.bin")
+    raw = torch.arange(3 * PAGE, dtype=torch.int32).to(torch.uint8)
+    with open(path, "wb") as f:
+        f.write(raw.numpy().tobytes())
+    pages = FilePages(path)
+    view = pages.data[PAGE + 7:2 * PAGE + 9]
+    pages.close()
+    assert torch.equal(view.clone(), raw[PAGE + 7:2 * PAGE + 9])
