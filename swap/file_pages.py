@@ -67,16 +67,16 @@ class MappedBlock(InPlace):
 
     def __init__(self, pages: FilePages, parts: list[tuple], nbytes: int,
                  values: list[tuple[torch.Tensor, int]] = ()):
-        self.pages = pages
+        self.pages, self.data = pages, pages.data   # the mapping, held while this home lives (pages may close)
         self.start = min(p[0] for p in parts)
         self.end = max(p[0] + p[1] for p in parts)
-        super().__init__([(pages.data[p[0]:p[0] + p[1]], p[2], p[3] if len(p) > 3 else None) for p in parts]
+        super().__init__([(self.data[p[0]:p[0] + p[1]], p[2], p[3] if len(p) > 3 else None) for p in parts]
                          + [(v.reshape(-1).view(torch.uint8), d, None) for v, d in values], nbytes)
 
     def _own_pages(self) -> torch.Tensor:
         """The mapping's pages wholly inside the block's bytes (maybe none)."""
         a, b = whole_pages(self.start, self.end)
-        return self.pages.data[a:b]
+        return self.data[a:b]
 
     def _wanted(self) -> list[tuple[int, int]]:
         own = self._own_pages()

@@ -13,6 +13,7 @@ the compute's. Written here: no library page-locks memory it does not own.
 """
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -29,6 +30,7 @@ class InPlace:
     def __init__(self, parts: list[tuple], nbytes: int):
         self.parts, self.nbytes = parts, nbytes
         self.pinned = False
+        self._pinning = threading.RLock()   # a pin on a pinning thread and an unpin (a dropped model's) take turns
         self._spans: list[tuple[int, int, object]] = []   # (pointer, size, budget) registered
         self._rest: HostBuffer | None = None
         self._copies: list[tuple[int, int, int, torch.Tensor]] | None = None   # (part, start, end, source)
@@ -47,6 +49,10 @@ class InPlace:
 
     def pin(self) -> bool:
         """Page-lock in place; False (and nothing left locked) where CUDA refuses."""
+        with self._pinning:
+            return self._pin()
+
+    def _pin(self) -> bool:
         if self.pinned:
             return True
         if not torch.cuda.is_available():
@@ -69,6 +75,10 @@ class InPlace:
         return True
 
     def unpin(self) -> None:
+        with self._pinning:
+            self._unpin()
+
+    def _unpin(self) -> None:
         if self.pinned:
             for ptr, _, budget in self._spans:
                 unregister(ptr, budget)
