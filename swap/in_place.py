@@ -30,7 +30,7 @@ class InPlace:
     def __init__(self, parts: list[tuple], nbytes: int):
         self.parts, self.nbytes = parts, nbytes
         self.pinned = False
-        self._pinning = threading.RLock()   # a pin on a pinning thread and an unpin (a dropped model's) take turns
+        self._pinning = threading.Lock()   # a pin on a pinning thread and an unpin (a dropped model's) take turns
         self._spans: list[tuple[int, int, object]] = []   # (pointer, size, budget) registered
         self._rest: HostBuffer | None = None
         self._copies: list[tuple[int, int, int, torch.Tensor]] | None = None   # (part, start, end, source)
@@ -65,12 +65,12 @@ class InPlace:
                     break
             if budget is False:
                 self.pinned = True
-                self.unpin()
+                self._unpin()
                 return False
             self._spans.append((ptr, size, budget))
         self.pinned = True
         if not self._keep_rest():
-            self.unpin()
+            self._unpin()
             return False
         return True
 

@@ -157,15 +157,15 @@ def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...],
     """torch's load_state_dict recursion (so ComfyUI's ops see their full key prefixes),
     skipping the block lists; returns the missing keys. A tensor read as the module keeps it
     (same dtype, shape and device) becomes its storage first, so the load's copy is a no-op
-    (no second copy of the non-block weights, ~0.5 GB for Wan 14B); one in the file's pages
-    (`file_view`) is copied first. Where ComfyUI picks another dtype (fp16 for a bf16 Wan file on
-    a GPU) the load casts from the file's pages; a module left holding them after gets a copy."""
+    (no second copy of the non-block weights, ~0.5 GB for Wan 14B). Where ComfyUI picks another
+    dtype (fp16 for a bf16 Wan file on a GPU) the load casts from the file's pages (`file_view`);
+    a module left holding them (adopted, or kept by its op's load) gets a copy of its own."""
     missing: list[str] = []
     unexpected: list[str] = []
     errors: list[str] = []
 
     def load(module, prefix):
-        _adopt(module, sd, prefix, file_view)
+        _adopt(module, sd, prefix)
         module._load_from_state_dict(sd, prefix, {}, False, missing, unexpected, errors)
         for name, child in module._modules.items():
             if child is not None and not (module is dm and name in list_names):
@@ -182,10 +182,10 @@ def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...],
     return missing
 
 
-def _adopt(module: torch.nn.Module, sd: dict, prefix: str, file_view: Callable[[torch.Tensor], bool]) -> None:
+def _adopt(module: torch.nn.Module, sd: dict, prefix: str) -> None:
     """Point `module`'s own parameters at the state dict's tensors where they match as they are."""
     for name, param in module._parameters.items():
         t = sd.get(prefix + name)
         if (param is not None and type(t) is torch.Tensor
                 and t.dtype == param.dtype and t.shape == param.shape and t.device == param.device):
-            param.data = owned(t) if file_view(t) else t
+            param.data = t
