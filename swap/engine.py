@@ -247,6 +247,9 @@ class BlockSwapEngine(BlockLoop):
         if att.first_use is not None:   # given up before the first call ended: unplaced blocks hold nothing
             fu, att.first_use = att.first_use, None
             kept = kept - fu.stop()
+        if att.pinning is not None:   # the homes a first call left page-locking
+            att.pinning.join()
+            att.pinning = None
         try:
             att.copier.synchronize()
             if self.homes.splits_ram and capture_bytes > 0 and not writes_blocks(att.on_land):

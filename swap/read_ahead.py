@@ -22,7 +22,8 @@ ReadFn = Callable[[int, torch.Tensor], Future]
 class _Staging:
     def __init__(self, nbytes: int, pin: bool):
         self.buffer = HostBuffer(nbytes)
-        if pin:
+        if pin:   # its pages made first, on torch's threads: the driver would fault them in one by one
+            self.buffer.flat.zero_()
             self.buffer.pin()
         self.block: int | None = None
         self.future: Future | None = None
@@ -87,7 +88,11 @@ class ReadAhead:
             s.block, s.future = None, None
 
     def release_all(self) -> None:
+        """Let the buffers go once their reads and copies are done."""
         self.drain()
+        for s in self.staging:
+            if s.copied is not None:
+                s.copied.synchronize()
         for s in self.staging:
             s.buffer.unpin()
         self.staging = []
