@@ -21,7 +21,7 @@ import comfy.model_management
 import comfy.utils
 
 from ..model_file.quant import build_quantized_blocks, comfy_quant_layers, declare_fp8_layers
-from ..model_file.safetensors_index import SafetensorsIndex, owned
+from ..model_file.safetensors_index import ALIGN, SafetensorsIndex, owned
 from . import comfy_features as features
 from . import comfy_models
 from .file_names import FileNames, comfy_prefix
@@ -158,22 +158,26 @@ def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...],
     skipping the block lists; returns the missing keys. A tensor read as the module keeps it
     (same dtype, shape and device) becomes its storage first, so the load's copy is a no-op
     (no second copy of the non-block weights, ~0.5 GB for Wan 14B). Where ComfyUI picks another
-    dtype (fp16 for a bf16 Wan file on a GPU) the load casts from the file's pages (`file_view`);
-    a module left holding them (adopted, or kept by its op's load) gets a copy of its own."""
+    dtype (fp16 for a bf16 Wan file on a GPU) the load casts from the file's pages (`file_view`).
+    A module left holding the file's pages gets a copy of its own, and an adopted tensor is 64-byte
+    aligned, as ComfyUI's load copies it into its own tensor; one its op's load kept stays at the
+    file's alignment, as ComfyUI keeps the view. CPU matmuls round differently at other alignments
+    (fp32 tensors at 8 mod 16 in the file gave other outputs on an AVX2 CPU)."""
     missing: list[str] = []
     unexpected: list[str] = []
     errors: list[str] = []
 
     def load(module, prefix):
-        _adopt(module, sd, prefix)
+        adopted = _adopt(module, sd, prefix)
         module._load_from_state_dict(sd, prefix, {}, False, missing, unexpected, errors)
         for name, child in module._modules.items():
             if child is not None and not (module is dm and name in list_names):
                 load(child, prefix + name + ".")
         for tensors in (module._parameters, module._buffers):
-            for t in tensors.values():
-                if t is not None and file_view(t.data):
-                    t.data = owned(t.data)
+            for name, t in tensors.items():
+                mine = t is not None and adopted.get(name) is t
+                if t is not None and (file_view(t.data) or mine and t.data.data_ptr() % ALIGN):
+                    t.data = owned(t.data, aligned=mine)
 
     with torch.no_grad():
         load(dm, "")
@@ -182,10 +186,14 @@ def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...],
     return missing
 
 
-def _adopt(module: torch.nn.Module, sd: dict, prefix: str) -> None:
-    """Point `module`'s own parameters at the state dict's tensors where they match as they are."""
+def _adopt(module: torch.nn.Module, sd: dict, prefix: str) -> dict[str, torch.nn.Parameter]:
+    """Point `module`'s own parameters at the state dict's tensors where they match as they are;
+    returns those parameters by name."""
+    adopted = {}
     for name, param in module._parameters.items():
         t = sd.get(prefix + name)
         if (param is not None and type(t) is torch.Tensor
                 and t.dtype == param.dtype and t.shape == param.shape and t.device == param.device):
             param.data = t
+            adopted[name] = param
+    return adopted

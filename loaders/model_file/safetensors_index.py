@@ -275,9 +275,10 @@ def _buffer_like_mmap(nbytes: int, file_offset: int) -> torch.Tensor:
     return whole[shift:shift + nbytes]
 
 
-def owned(view: torch.Tensor) -> torch.Tensor:
-    """A copy of `view` (e.g. of mapped_tensors) in memory of its own at the same address mod ALIGN."""
-    raw = _buffer_like_mmap(view.nbytes, view.data_ptr())
+def owned(view: torch.Tensor, aligned: bool = False) -> torch.Tensor:
+    """A copy of `view` (e.g. of mapped_tensors) in memory of its own at the same address mod ALIGN,
+    or with `aligned` at 0 mod ALIGN (where ComfyUI's load copies a tensor into its own)."""
+    raw = _buffer_like_mmap(view.nbytes, 0 if aligned else view.data_ptr())
     raw.copy_(view.reshape(-1).view(torch.uint8))
     return _typed(raw, view.dtype).reshape(view.shape)
 
