@@ -32,6 +32,7 @@ from .ram_homes import EarlyPins
 import torch
 
 from .read_ahead import ReadAhead, ReadFn
+from .staging_ahead import StagingAhead
 from .state import Attachment, BlockState
 
 LOOKAHEAD = 6   # blocks read at once: enough chunks for 16 readers, few enough to keep call order
@@ -41,20 +42,26 @@ class FirstUse:
     """The first call's reads of one attachment: `placing` resident blocks to place from the file
     and `homes` streamed blocks whose RAM homes are read; `placed(block)` runs once a resident
     block has landed (its placement fold), `landed()` once every block is in (the streamed blocks'
-    hooks ask `landed` too)."""
+    hooks ask `landed` too). `staged`: its pinned staging buffers, made ahead (swap/staging_ahead.py)."""
 
     def __init__(self, states: list[BlockState], pool: HostPool, read_block: ReadFn, att: Attachment,
                  placing: list[int], homes: list[int], pinning: EarlyPins | None, pin: bool, placed: Callable[[int], None],
                  guard: Callable[[], ContextManager] = nullcontext, landed: Callable[[], None] = lambda: None,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, staged: StagingAhead | None = None):
         self.states, self.pool, self.read_block, self.att, self.placed = states, pool, read_block, att, placed
         self.pinning = pinning   # page-locking the homes held already (ram_homes.lock_early), the attachment's after
         self.guard = guard   # around each landing: the engine's (a failure takes the attachment down)
         self.on_landed = landed   # called once every block is in (the engine settles the attachment)
         self.progress, self.shown = progress, -1   # progress(bytes in, bytes of the blocks the call lands)
         stageable = [i for i in sorted(set(placing) | set(att.plan.streamed)) if self._stageable(i)]
-        self.stage = ReadAhead(self._read_staged, min(LOOKAHEAD, att.plan.ring_slots + 2),
-                               max(pool.mapped[i].staged_nbytes for i in stageable), pin=pin) if stageable else None
+        nbytes = max((pool.mapped[i].staged_nbytes for i in stageable), default=0)
+        buffers = staged.take() if staged is not None else None
+        if buffers and not (stageable and all(b.nbytes >= nbytes for b in buffers)):   # not of use here
+            for b in buffers:
+                b.unpin()
+            buffers = None
+        self.stage = ReadAhead(self._read_staged, min(LOOKAHEAD, att.plan.ring_slots + 2), nbytes, pin=pin,
+                               buffers=buffers) if stageable else None
         self.staging = set(stageable) - set(placing)   # streamed blocks whose homes stage this call
         self.todo = deque(sorted(set(placing) | set(homes) | self.staging))
         self.placing = set(placing)

@@ -15,16 +15,14 @@ from typing import Callable
 import torch
 
 from .host_pool import HostBuffer
+from .staging_ahead import pinned_buffer
 
 ReadFn = Callable[[int, torch.Tensor], Future]
 
 
 class _Staging:
-    def __init__(self, nbytes: int, pin: bool):
-        self.buffer = HostBuffer(nbytes)
-        if pin:   # its pages made first, on torch's threads: the driver would fault them in one by one
-            self.buffer.flat.zero_()
-            self.buffer.pin()
+    def __init__(self, buffer: HostBuffer):
+        self.buffer = buffer
         self.block: int | None = None
         self.future: Future | None = None
         self.order = 0                # when its read was requested
@@ -35,10 +33,12 @@ class _Staging:
 
 
 class ReadAhead:
-    def __init__(self, read: ReadFn, count: int, nbytes: int, pin: bool):
+    def __init__(self, read: ReadFn, count: int, nbytes: int, pin: bool, buffers: list[HostBuffer] | None = None):
+        """`buffers`: made ahead (swap/staging_ahead.py), used instead of `count` new ones."""
         self.read = read
-        self.staging = [_Staging(nbytes, pin) for _ in range(max(1, count))]
-        self.nbytes = nbytes * len(self.staging)
+        self.staging = [_Staging(b) for b in buffers] if buffers else \
+            [_Staging(pinned_buffer(nbytes, pin)) for _ in range(max(1, count))]
+        self.nbytes = sum(s.buffer.nbytes for s in self.staging)
         self._requests = 0
 
     def pending(self, block: int) -> _Staging | None:

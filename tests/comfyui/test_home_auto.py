@@ -183,6 +183,7 @@ def test_the_first_call_holds_page_locking_off_until_its_end(wan):
     engine = model.swap_engine
     if not maps(engine):
         pytest.skip("this file's blocks keep RAM homes on this GPU")
+    assert engine.staged is not None   # the first call's staging buffers, made from the node on
     held = []
     hook = engine.states[0].block.register_forward_pre_hook(
         lambda m, a: held.append(threading.current_thread() in driver_turns._holds))
@@ -192,6 +193,7 @@ def test_the_first_call_holds_page_locking_off_until_its_end(wan):
     finally:
         hook.remove()
     assert held[0] and not any(held[1:]), held
+    assert engine.staged is None
     att = engine.att   # the first call copied from staging; the streamed homes page-lock after it
     if att.pinning is not None:
         att.pinning.join()
