@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from functools import partial
 
 from .homes import Home, home_of, pump
-from .ram_homes import memory_now, settle
+from .ram_homes import settle
 from .resident_folds import fold_once
 from .slot_ring import Slot
 from .state import Attachment, warm
@@ -37,10 +37,6 @@ class BlockLoop:
         att.stats.bytes_copied += self.states[block].layout.nbytes
         if att.first_use is not None:
             att.first_use.before_copy(block)
-        elif att.pinning is not None:   # the homes still page-locking after a first call
-            att.pinning.wait(block)
-            if att.pinning.done():
-                self._pins_done()
         self._home(block).start(slot, att)
 
     def _before_block(self, block: int) -> None:
@@ -118,20 +114,6 @@ class BlockLoop:
         else:   # the file's reads go on (none without a read-ahead)
             pump(att, self.states, self.pool)
 
-    def _pins_done(self) -> None:
-        """The streamed homes a first call left page-locking are all done: the attachment's copy
-        memory as settle would find it (staged where a pin failed)."""
-        att = self.att
-        att.pinning, staged = None, att.memory == "staged"
-        att.memory = memory_now(self.homes, self.states, self.pool, att)
-        self._staging_if_failed(staged)
-
-    def _staging_if_failed(self, staged: bool) -> None:
-        """The ring's staging buffers where page-locking failed since the copy memory was `staged`."""
-        att = self.att
-        if att.memory == "staged" and not staged and att.ring is not None:
-            att.ring.add_staging(pin=att.device.type == "cuda")
-
     def _placed_first(self, att: Attachment, block: int) -> None:
         """A resident block placed during the first call: its placement fold, as fold_resident
         does for the blocks placed up front."""
@@ -149,11 +131,10 @@ class BlockLoop:
         read, seconds, reads_s, pin_s = att.first_use.complete()
         att.first_use = None
         att.copier.synchronize()   # settle may unpin what the copies read
-        if att.pinning is not None and att.pinning.done():
-            att.pinning = None
         staged = att.memory == "staged"
         settle(self.homes, self.states, self.pool, att)
-        self._staging_if_failed(staged)
+        if att.memory == "staged" and not staged and att.ring is not None:   # page-locking failed
+            att.ring.add_staging(pin=att.device.type == "cuda")
         self.read_back = (read, seconds)
         att.stats.first_call = (read, seconds, att.stats.read_wait_s, reads_s, pin_s)
         log.debug("first call streamed %.2f GB from the file in %.2f s", read / 1e9, seconds)

@@ -34,7 +34,6 @@ from .resident_folds import fold_resident
 from .slot_ring import SlotRing
 from .coding import Coding, coding_for, keep_coder
 from .plane_coder import PlaneCoder
-from .staging_ahead import StagingAhead
 from .ram_homes import capture_resident, ensure, expected_memory, lock_early, read_homes, read_progress, settle
 from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, writes_blocks
 from .stats import RunStats
@@ -76,7 +75,6 @@ class BlockSwapEngine(BlockLoop):
         self.coder_factory: Callable[[torch.device], PlaneCoder] | None = None   # set where a load may code
         self.coding: Coding | None = None
         self.in_order = True   # the model runs nothing between a block and the next (timing; VACE: False)
-        self.staged: StagingAhead | None = None   # a first call's staging buffers, made ahead (stage_ahead)
         if read_block is not None:   # weights come from the reader: drop what the modules hold
             for st in self.states:
                 st.unbind(torch.device("cpu"))
@@ -102,12 +100,6 @@ class BlockSwapEngine(BlockLoop):
         reads); calls progress(done_bytes, total_bytes). Returns the bytes read."""
         every = self.homes.every_block and self.read_block is not None
         return read_homes(self.states, self.pool, self.read_block, progress) if every else 0
-
-    def stage_ahead(self) -> None:
-        """Make the pinned staging buffers of a load's first call from now on (swap/staging_ahead.py)."""
-        if self.att is None and self.staged is None and self.map_block is not None and self.homes.splits_ram \
-                and torch.cuda.is_available():
-            self.staged = StagingAhead(self.block_bytes())
 
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, load_plan: LoadPlan, owner: object = None,
@@ -190,7 +182,6 @@ class BlockSwapEngine(BlockLoop):
         the resident blocks from the file and the homes in `fills` arrive during the first call
         (swap/first_use.py), which settles at its end."""
         plan, device, on_land = att.plan, att.device, att.on_land
-        staged, self.staged = self.staged, None   # made ahead: the first call takes them, else they go
         later = [i for i in placing if not self.pool.has(i) or i in self.pool.mapped] if stream_first else []
         now = [i for i in placing if i not in later]
         try:
@@ -207,7 +198,7 @@ class BlockSwapEngine(BlockLoop):
                 att.first_use = FirstUse(self.states, self.pool, self.read_block, att, later, fills, pinning,
                                          pin=device.type == "cuda" and att.pin_memory != "off",
                                          placed=partial(self._placed_first, att), guard=self._loading,
-                                         landed=self._settle_first_use, progress=report, staged=staged)
+                                         landed=self._settle_first_use, progress=report)
             else:
                 settle(self.homes, self.states, self.pool, att)
             if plan.streamed:
@@ -226,9 +217,6 @@ class BlockSwapEngine(BlockLoop):
             self.att = att
             self.detach()
             raise
-        finally:
-            if staged is not None and att.first_use is None:
-                staged.release()
         return read_back
 
     def _hook_streamed(self, att: Attachment) -> None:
@@ -259,9 +247,6 @@ class BlockSwapEngine(BlockLoop):
         if att.first_use is not None:   # given up before the first call ended: unplaced blocks hold nothing
             fu, att.first_use = att.first_use, None
             kept = kept - fu.stop()
-        if att.pinning is not None:   # the homes a first call left page-locking
-            att.pinning.join()
-            att.pinning = None
         try:
             att.copier.synchronize()
             if self.homes.splits_ram and capture_bytes > 0 and not writes_blocks(att.on_land):

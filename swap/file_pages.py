@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import mmap
 import warnings
-from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -26,17 +25,13 @@ from .host_pool import PAGE, REGISTER_READ_ONLY, register, unregister, whole_pag
 from .in_place import InPlace
 
 
-ReadRanges = Callable[[torch.Tensor, list[tuple[int, int, int]]], Future]   # (dest, [(file offset, length, dest offset)])
-
-
 class FilePages:
     """One model file mapped read-only; `check()` raises where the file changed since it was opened
     (the loader's: a mapped page cut off by truncation would crash the process on a copy, so every
-    block's copy asks first); `read` (the loader's positioned reads, keeping the page cache) reads
-    byte ranges of the file into a buffer, for a home not page-locked yet (`MappedBlock.stage`)."""
+    block's copy asks first)."""
 
-    def __init__(self, path: str, check: Callable[[], None] = lambda: None, read: ReadRanges | None = None):
-        self.path, self.check, self.read = path, check, read
+    def __init__(self, path: str, check: Callable[[], None] = lambda: None):
+        self.path, self.check = path, check
         with open(path, "rb") as f:
             self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         with warnings.catch_warnings():   # read-only memory: nothing here writes it
@@ -73,21 +68,10 @@ class MappedBlock(InPlace):
     def __init__(self, pages: FilePages, parts: list[tuple], nbytes: int,
                  values: list[tuple[torch.Tensor, int]] = ()):
         self.pages, self.data = pages, pages.data   # the mapping, held while this home lives (pages may close)
-        self.read = pages.read
         self.start = min(p[0] for p in parts)
         self.end = max(p[0] + p[1] for p in parts)
-        self.files = [(p[0], p[1]) for p in parts]   # the file's byte ranges, the first parts in order
         super().__init__([(self.data[p[0]:p[0] + p[1]], p[2], p[3] if len(p) > 3 else None) for p in parts]
                          + [(v.reshape(-1).view(torch.uint8), d, None) for v, d in values], nbytes)
-
-    def stage(self, dest: torch.Tensor) -> Future:
-        """Read the block's bytes as its parts hold them into `dest` (at least `staged_nbytes`; pinned
-        memory on a GPU) for `land(out, staged=dest)`: positioned reads from the page cache, nothing
-        page-locked (a load's first call: swap/first_use.py). A Future of the bytes read."""
-        offsets = self.staged_offsets()
-        for (src, _, _), pos in zip(self.parts[len(self.files):], offsets[len(self.files):]):
-            dest[pos:pos + src.numel()].copy_(src)
-        return self.read(dest, [(f, n, pos) for (f, n), pos in zip(self.files, offsets)])
 
     def _own_pages(self) -> torch.Tensor:
         """The mapping's pages wholly inside the block's bytes (maybe none)."""

@@ -3,19 +3,14 @@
 Instead of reading every block before the first call, the attach only starts reading: in the
 order a model calls its blocks (list order), at most LOOKAHEAD blocks in flight so that a block
 the call needs soon is never queued behind the whole model. A resident block is copied into its
-device buffer just before it first computes (a hook on it until then), a streamed block into its
-slot. Where a block's home is the file's pages (swap/file_pages.py, given by the engine before
-this starts) and not page-locked yet, its bytes are read from the page cache into one of a few
-pinned staging buffers (`stage`) and copied from there: page-locking 28 GB of file pages holds the
-CUDA driver's lock for ~1.4 s, which every kernel launch of the call waits for (bench/RESULTS.md,
-2026-12-07), while positioned reads run beside the copies. The streamed homes are page-locked for
-the calls after (EarlyPins, held off while this call computes: swap/driver_turns.py); the resident
-blocks' pages are never locked. A home that cannot stage (a module's own tensors) is page-locked
-first (the pinning threads); one not in the file's pages is read into its own buffer
-(`HostPool.filling`, a FillingHome in swap/homes.py), page-locked once read. So each block waits
-only for its own bytes; the load's progress follows the bytes in. After the first call the
-attachment settles as an up-front load would (swap/block_loop.py, `_settle_first_use`), the homes'
-page-locking still running (the attachment's `pinning`).
+device buffer just before it first computes (a hook on it until then): from its file pages,
+page-locked ahead on the pinning threads (swap/file_pages.py), else read into a pinned staging
+buffer (the attachment's ReadAhead). A streamed block's home is its file pages where it can be
+(given by the engine before this starts), else read into its own buffer (`HostPool.filling`, a
+FillingHome in swap/homes.py), page-locked once read, and its slot copies from it. So every byte
+is read at most once, into where it stays, and each block waits only for its own bytes; the
+load's progress follows the bytes in. After the first call the attachment settles as an up-front
+load would (swap/block_loop.py, `_settle_first_use`).
 """
 from __future__ import annotations
 
@@ -29,10 +24,7 @@ from . import driver_turns
 from .hooks import BlockHooks
 from .host_pool import Fill, HostBuffer, HostPool
 from .ram_homes import EarlyPins
-import torch
-
-from .read_ahead import ReadAhead, ReadFn
-from .staging_ahead import StagingAhead
+from .read_ahead import ReadFn
 from .state import Attachment, BlockState
 
 LOOKAHEAD = 6   # blocks read at once: enough chunks for 16 readers, few enough to keep call order
@@ -42,35 +34,24 @@ class FirstUse:
     """The first call's reads of one attachment: `placing` resident blocks to place from the file
     and `homes` streamed blocks whose RAM homes are read; `placed(block)` runs once a resident
     block has landed (its placement fold), `landed()` once every block is in (the streamed blocks'
-    hooks ask `landed` too). `staged`: its pinned staging buffers, made ahead (swap/staging_ahead.py)."""
+    hooks ask `landed` too)."""
 
     def __init__(self, states: list[BlockState], pool: HostPool, read_block: ReadFn, att: Attachment,
                  placing: list[int], homes: list[int], pinning: EarlyPins | None, pin: bool, placed: Callable[[int], None],
                  guard: Callable[[], ContextManager] = nullcontext, landed: Callable[[], None] = lambda: None,
-                 progress: Callable[[int, int], None] | None = None, staged: StagingAhead | None = None):
+                 progress: Callable[[int, int], None] | None = None):
         self.states, self.pool, self.read_block, self.att, self.placed = states, pool, read_block, att, placed
-        self.pinning = pinning   # page-locking the homes held already (ram_homes.lock_early), the attachment's after
+        self.pinning = pinning   # page-locking the homes held already (ram_homes.lock_early), joined at the end
         self.guard = guard   # around each landing: the engine's (a failure takes the attachment down)
         self.on_landed = landed   # called once every block is in (the engine settles the attachment)
         self.progress, self.shown = progress, -1   # progress(bytes in, bytes of the blocks the call lands)
-        stageable = [i for i in sorted(set(placing) | set(att.plan.streamed)) if self._stageable(i)]
-        nbytes = max((pool.mapped[i].staged_nbytes for i in stageable), default=0)
-        buffers = staged.take() if staged is not None else None
-        if buffers and not (stageable and all(b.nbytes >= nbytes for b in buffers)):   # not of use here
-            for b in buffers:
-                b.unpin()
-            buffers = None
-        self.stage = ReadAhead(self._read_staged, min(LOOKAHEAD, att.plan.ring_slots + 2), nbytes, pin=pin,
-                               buffers=buffers) if stageable else None
-        self.staging = set(stageable) - set(placing)   # streamed blocks whose homes stage this call
-        self.todo = deque(sorted(set(placing) | set(homes) | self.staging))
+        self.todo = deque(sorted(set(placing) | set(homes)))
         self.placing = set(placing)
-        self.flight: set[int] = set()   # blocks whose read is submitted, not yet landed
-        self.arrived: set[int] = set()  # those of `staging` copied in
+        self.flight: set[int] = set()   # resident blocks whose staging read is submitted, not yet placed
         self.fills: dict[int, Fill] = {}   # the homes this load reads, by block
         self.pinner = ThreadPoolExecutor(2, thread_name_prefix="ringswap-pin") if pin else None
         self.hold = driver_turns.Hold() if pin else None   # page-locking runs while this call waits for it
-        self.nbytes = sum(states[i].layout.nbytes for i in self.todo if i not in pool.mapped)   # read (+ staged)
+        self.nbytes = sum(states[i].layout.nbytes for i in self.todo if i not in pool.mapped)   # read
         self.pins: dict[int, Future] = {}   # resident blocks placed from the file's pages: page-locking them
         self.t0 = time.perf_counter()
         self.reads_done = self.t0   # when the last read finished
@@ -86,56 +67,15 @@ class FirstUse:
         self.hooks = BlockHooks(blocks, sorted(placing), self._guarded, lambda i: None) if placing else None
         self.pump()
 
-    def _stageable(self, block: int) -> bool:
-        home = self.pool.mapped.get(block)
-        return home is not None and home.read is not None and not home.pinned
-
-    def stages(self, block: int) -> bool:
-        """Streamed `block` lands from a staging buffer this call (read, or its home not page-locked yet)."""
-        return block in self.staging and (self.stage.pending(block) is not None or not self.pool.mapped[block].pinned)
-
     def before_copy(self, block: int) -> None:
-        """Before a slot copies streamed `block` from its home's pages: the home page-locked first where
+        """Before a slot copies streamed `block` from its home: the home page-locked first where
         its pin is in flight (a copy from pageable memory would stall the copy stream)."""
-        if self.stages(block):
-            return
-        self._arrived(block)   # page-locked before its turn: copied from its pages
         if self.pinning is not None:
             self.pinning.wait(block)
-
-    def land_staged(self, block: int, out: torch.Tensor, after, timed: bool = True) -> tuple:
-        """Copy `block` into `out` from its staging buffer (read now where it was not yet), once
-        `after` (an event, or None) has happened; returns (the copy's event, the casts left to do)."""
-        t0 = time.perf_counter()
-        with driver_turns.aside():
-            staged = self.stage.take(block, self.pool.mapped[block].staged_nbytes)
-        self.att.stats.read_wait_s += time.perf_counter() - t0
-        left = []
-        ready = self.att.copier.enqueue(lambda: left.append(self.pool.mapped[block].land(out, staged.buffer.flat)),
-                                        after, timed=timed)
-        self.stage.release(staged, ready)
-        self.flight.discard(block)
-        if block in self.todo:
-            self.todo.remove(block)
-        self._arrived(block)
-        self.pump()
-        return ready, left[0]
-
-    def _arrived(self, block: int) -> None:
-        """A streamed block of `staging` is in (its bytes count to the progress once)."""
-        if block in self.staging and block not in self.arrived:
-            self.arrived.add(block)
-            self.placed_bytes += self.states[block].layout.nbytes
 
     # ----- reads ahead -----------------------------------------------------------------
     def _in_flight(self) -> int:
         return len(self.flight) + sum(1 for f in self.fills.values() if f.started and not f.future.done())
-
-    def _read_staged(self, block: int, dest: torch.Tensor) -> Future:
-        self.nbytes += self.pool.mapped[block].staged_nbytes
-        read = self.pool.mapped[block].stage(dest)
-        read.add_done_callback(lambda _: setattr(self, "reads_done", max(self.reads_done, time.perf_counter())))
-        return read
 
     def pump(self) -> None:
         """Submit reads in call order while fewer than LOOKAHEAD blocks are in flight (a resident
@@ -146,11 +86,6 @@ class FirstUse:
             if b in self.fills:   # read into its home (a resident block with one is placed from there)
                 if self.pool.filling.get(b) is self.fills[b]:
                     self.fills[b].start()
-            elif self.stage is not None and (b in self.staging or b in self.placing and self._stageable(b)):
-                if b in self.placing or self.stages(b):   # staged from the page cache
-                    if self.stage.request(b, self.pool.mapped[b].staged_nbytes) is None:
-                        return
-                    self.flight.add(b)
             elif b in self.placing and b in self.pool.mapped:   # placed from the file's pages
                 if self.pinner is not None:
                     self.pins[b] = self.pinner.submit(self._pin, b)
@@ -223,12 +158,7 @@ class FirstUse:
         nbytes = s.layout.nbytes
         t0 = time.perf_counter()
         mapped = self.pool.mapped.get(block)
-        if mapped is not None and self.stage is not None and (self.stage.pending(block) is not None
-                                                              or self._stageable(block)):
-            ready, left = self.land_staged(block, s.device_buffer, None, timed=False)
-            if left is not None:   # its casts on the land stream, the compute waits for them
-                att.copier.landed(left, ready=ready, sample=False)
-        elif mapped is not None:   # the file's pages, page-locked ahead where they can be
+        if mapped is not None:   # the file's pages, page-locked ahead where they can be
             pin = self.pins.pop(block, None)
             if pin is not None:
                 with driver_turns.aside():
@@ -260,11 +190,9 @@ class FirstUse:
     # ----- the end -----------------------------------------------------------------------
     def complete(self) -> tuple[int, float, float, float]:
         """After the first call: place the resident blocks it never called and wait for every home
-        read (the caller lands the slots still reading); the streamed homes' page-locking goes on
-        as the attachment's (`pinning`, its copies wait for it). Returns (bytes read, seconds since
-        the attach, seconds until the last read was done, page-locking seconds)."""
+        (the caller lands the slots still reading); returns (bytes read, seconds since the attach,
+        seconds until the last read was done, page-locking seconds)."""
         self._let_go()
-        self.att.pinning, self.pinning = self.pinning, None
         for block in sorted(self.placing):
             self.place(block)
         for fill in self.fills.values():
@@ -301,9 +229,6 @@ class FirstUse:
                 self.pool.drop(block)
         if self.pinner is not None:
             self.pinner.shutdown(wait=True)
-        if self.stage is not None:   # its copies done first
-            self.stage.release_all()
-            self.stage = None
         if self.pinning is not None:
             self.pinning.join()
             self.pinning = None

@@ -214,9 +214,6 @@ class MappedHome(Home):
 
     def start(self, slot: Slot, att: Attachment) -> None:
         slot.reading = False
-        if att.first_use is not None and att.first_use.stages(self.s.index):   # read, not page-locked
-            slot.ready, slot.pending = att.first_use.land_staged(self.s.index, slot.flat, slot.free)
-            return
         flat, left = slot.flat, []
         slot.ready = att.copier.enqueue(lambda: left.append(self.mapped.land(flat)), slot.free)
         slot.pending = left[0]   # its casts, done where it lands (block_loop._land)

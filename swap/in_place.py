@@ -124,51 +124,26 @@ class InPlace:
         """Bytes a copy of the block takes from pageable memory (none once pinned)."""
         return 0 if self.pinned else sum(src.numel() for src, _, _ in self.parts)
 
-    def land(self, out: torch.Tensor, staged: torch.Tensor | None = None) -> Callable[[], None] | None:
-        """Copy the block's bytes into `out` (its layout; on the current stream, async where pinned),
-        from `staged` where given (the parts as `stage` read them, at `staged_offsets`). A tensor to
-        cast crosses as its source holds it: into its own place where the sizes agree (bf16 and
-        fp16), else into a device buffer of its own. Returns the casts left to do, in place, on the
-        stream that will use the block once this stream's copies are done (None: nothing left); on
-        the CPU too, so that one path serves both."""
+    def land(self, out: torch.Tensor) -> Callable[[], None] | None:
+        """Copy the block's bytes into `out` (its layout; on the current stream, async where pinned).
+        A tensor to cast crosses as its source holds it: into its own place where the sizes agree
+        (bf16 and fp16), else into a device buffer of its own. Returns the casts left to do, in
+        place, on the stream that will use the block once this stream's copies are done (None:
+        nothing left); on the CPU too, so that one path serves both."""
         self.check()
         on_device, raws, casts = out.device.type != "cpu", [], []
-        froms = [staged[p:p + src.numel()] for (src, _, _), p in zip(self.parts, self.staged_offsets())] \
-            if staged is not None else None
-        for k, (src, d, cast) in enumerate(self.parts):
+        for src, d, cast in self.parts:
             n = src.numel()
             f, t = (cast[0].itemsize, cast[1].itemsize) if cast is not None else (1, 1)
             raw = out[d:d + n] if f == t else torch.empty(n, dtype=torch.uint8, device=out.device) \
-                if on_device else src if froms is None else froms[k]
+                if on_device else src
             raws.append(raw)
             if cast is not None:
                 casts.append((out[d:d + n // f * t].view(cast[1]), raw, cast[0]))
-        if froms is not None:
-            for raw, source in zip(raws, froms):
-                if raw is not source:
-                    raw.copy_(source, non_blocking=True)
-            if not on_device and casts:   # cast from the staging buffer before the caller reuses it
-                _cast(casts)
-                return None
-        else:
-            for k, x, y, source in self._copy_list():
-                if raws[k] is not self.parts[k][0]:
-                    raws[k][x:y].copy_(source, non_blocking=True)
+        for k, x, y, source in self._copy_list():
+            if raws[k] is not self.parts[k][0]:
+                raws[k][x:y].copy_(source, non_blocking=True)
         return (lambda: _cast(casts)) if casts else None
-
-    read = None   # a home that can `stage` says how it reads its bytes (swap/file_pages.py)
-
-    def staged_offsets(self) -> list[int]:
-        """Where each part's bytes go in a staging buffer (`stage`, `land(staged=)`): one after another."""
-        offsets, pos = [], 0
-        for src, _, _ in self.parts:
-            offsets.append(pos)
-            pos += src.numel()
-        return offsets
-
-    @property
-    def staged_nbytes(self) -> int:
-        return sum(src.numel() for src, _, _ in self.parts)
 
     def copy_into(self, out: torch.Tensor) -> None:
         """Copy and cast the block's bytes into `out`, all on the current stream (placing up front,

@@ -119,9 +119,6 @@ class EarlyPins:
         with driver_turns.aside():
             futures.wait(list(self.pins.values()))
 
-    def done(self) -> bool:
-        return all(pin.done() for pin in self.pins.values())
-
 
 def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int]) -> EarlyPins | None:
     """Page-lock the streamed blocks' RAM homes early (EarlyPins; an expert switch reads and pins at once)."""
@@ -169,22 +166,17 @@ def capture_resident(states: list[BlockState], pool: HostPool, resident: tuple[i
 
 def settle(policy: HomePolicy, states: list[BlockState], pool: HostPool, att: Attachment) -> None:
     """After an attachment's placement: how its streamed copies leave host memory (page-locking
-    the RAM homes that stream, unless `att.pinning` still does; "disk" where all come from the
-    file), and where the home `policy` splits RAM, each home the attachment does not keep drops
-    itself (no host copy of a resident block) and a read-ahead no streamed block needs goes."""
+    the RAM homes that stream; "disk" where all come from the file), and where the home `policy`
+    splits RAM, each home the attachment does not keep drops itself (no host copy of a resident
+    block) and a read-ahead no streamed block needs goes."""
     keep, file_streamed = att.ram_homes, _from_ram(att)[1]
-    att.memory = _memory(policy, states, pool, att, lock=att.pinning is None)
+    att.memory = _memory(policy, states, pool, att, lock=True)
     if policy.splits_ram:
         for s in states:
             home_of(states, pool, s.index).settle(s.index in keep)
         if not file_streamed and att.readahead is not None:
             att.readahead.release_all()
             att.readahead = None
-
-
-def memory_now(policy: HomePolicy, states: list[BlockState], pool: HostPool, att: Attachment) -> str:
-    """The copy memory of a settled attachment once its homes' page-locking is done (staged where it failed)."""
-    return _memory(policy, states, pool, att, lock=True)
 
 
 def expected_memory(policy: HomePolicy, pool: HostPool, att: Attachment) -> str:

@@ -15,14 +15,15 @@ from typing import Callable
 import torch
 
 from .host_pool import HostBuffer
-from .staging_ahead import pinned_buffer
 
 ReadFn = Callable[[int, torch.Tensor], Future]
 
 
 class _Staging:
-    def __init__(self, buffer: HostBuffer):
-        self.buffer = buffer
+    def __init__(self, nbytes: int, pin: bool):
+        self.buffer = HostBuffer(nbytes)
+        if pin:
+            self.buffer.pin()
         self.block: int | None = None
         self.future: Future | None = None
         self.order = 0                # when its read was requested
@@ -33,12 +34,10 @@ class _Staging:
 
 
 class ReadAhead:
-    def __init__(self, read: ReadFn, count: int, nbytes: int, pin: bool, buffers: list[HostBuffer] | None = None):
-        """`buffers`: made ahead (swap/staging_ahead.py), used instead of `count` new ones."""
+    def __init__(self, read: ReadFn, count: int, nbytes: int, pin: bool):
         self.read = read
-        self.staging = [_Staging(b) for b in buffers] if buffers else \
-            [_Staging(pinned_buffer(nbytes, pin)) for _ in range(max(1, count))]
-        self.nbytes = sum(s.buffer.nbytes for s in self.staging)
+        self.staging = [_Staging(nbytes, pin) for _ in range(max(1, count))]
+        self.nbytes = nbytes * len(self.staging)
         self._requests = 0
 
     def pending(self, block: int) -> _Staging | None:
@@ -88,11 +87,7 @@ class ReadAhead:
             s.block, s.future = None, None
 
     def release_all(self) -> None:
-        """Let the buffers go once their reads and copies are done."""
         self.drain()
-        for s in self.staging:
-            if s.copied is not None:
-                s.copied.synchronize()
         for s in self.staging:
             s.buffer.unpin()
         self.staging = []

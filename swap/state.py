@@ -114,7 +114,6 @@ class Attachment:
         self.resident_work: ResidentWork | None = None   # on-land work split for resident blocks
         self.resident_folds: HeldFolds | None = None      # their hooks
         self.first_use = None       # swap/first_use.FirstUse while the first call's blocks arrive
-        self.pinning = None         # swap/ram_homes.EarlyPins: the streamed homes still page-locking after it
         self.order = CallOrder(plan.streamed, learned)
         self.stats = self.new_stats()
 

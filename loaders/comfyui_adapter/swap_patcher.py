@@ -95,8 +95,6 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         # Our own weight state: ComfyUI then fully unloads whatever another patcher of
         # the same model left on the GPU before loading this one (partially_load).
         n.patches_uuid = uuid.uuid4()
-        if settings.pin_memory != "off" and settings.compress != "on" and n.load_device.type == "cuda":
-            state.engine.stage_ahead()   # the first call's staging buffers, page-locked off its path
         if settings.window > state.engine.num_blocks:
             log.warning("RingSwap: window=%d is more than the model's %d blocks; using %d (all resident)",
                         settings.window, state.engine.num_blocks, state.engine.num_blocks)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 from typing import Callable
 
 import torch
@@ -116,8 +115,7 @@ class BlockReads:
         if block in self._mapped:   # the checks below passed for it once; they hold for the file
             return self._mapped[block]
         if self._pages is None:
-            self._pages = FilePages(self.index.path, self.reader.check_unchanged,
-                                    partial(self.reader.read_into, keep_cache=True))
+            self._pages = FilePages(self.index.path, self.reader.check_unchanged)
         resized = sum(info.nbytes for info, e in self.cast[block]
                       if info.dtype.itemsize != e.dtype.itemsize)
         if torch.cuda.is_available() and resized > RESIZED_MAX:   # e.g. an fp32 file: read and cast in RAM

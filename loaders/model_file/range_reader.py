@@ -173,9 +173,8 @@ class RangeReader:
             return self._read_seconds
 
     # -- reading ----------------------------------------------------------------------------
-    def read_into(self, dest: torch.Tensor, ranges: list[tuple[int, int, int]], keep_cache: bool = False) -> Future:
-        """Read each (file_offset, length, dest_offset) into `dest` (contiguous CPU uint8);
-        `keep_cache`: no page-cache advice for these reads (their pages are homes: swap/file_pages.py).
+    def read_into(self, dest: torch.Tensor, ranges: list[tuple[int, int, int]]) -> Future:
+        """Read each (file_offset, length, dest_offset) into `dest` (contiguous CPU uint8).
 
         The future resolves to the bytes read once every chunk has finished (so nothing
         writes into `dest` afterwards), or raises the first BlockReadError.
@@ -190,7 +189,7 @@ class RangeReader:
                 raise ValueError(f"{self.path}: range (offset {off}, length {length}, dest offset "
                                  f"{doff}) does not fit a destination of {size} bytes")
             for c in range(0, length, self.chunk_bytes):
-                chunks.append((off, length, c, min(self.chunk_bytes, length - c), doff, keep_cache))
+                chunks.append((off, length, c, min(self.chunk_bytes, length - c), doff))
         job = _Job(len(chunks))
         if not chunks:
             job.future.set_result(0)
@@ -230,7 +229,7 @@ class RangeReader:
                                "(a RingSwap Model Loader does so on the next prompt)")
 
     def _run_chunk(self, job: _Job, dest: torch.Tensor, mv: memoryview, off: int, length: int,
-                   c: int, n: int, doff: int, keep_cache: bool) -> None:
+                   c: int, n: int, doff: int) -> None:
         if job.error is not None:  # another chunk of this job failed: skip, don't read
             job.done(0, None)
             return
@@ -252,7 +251,7 @@ class RangeReader:
                         f"{have} of {length} bytes — was it truncated or replaced after loading?")
                     break
                 got += k
-            if self.drop_cache and not keep_cache and got:
+            if self.drop_cache and got:
                 try:
                     os.posix_fadvise(fd, off + c, got, os.POSIX_FADV_DONTNEED)
                 except OSError:

@@ -174,16 +174,14 @@ def test_blocks_cast_to_another_size_on_a_gpu_map_only_where_those_casts_are_sma
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_first_call_holds_page_locking_off_until_its_end(wan):
-    """On a GPU a load's first call holds page-locking off except while it waits for a read
-    (driver_turns.Hold): held when its first block computes, not in the next call; the streamed homes
-    are page-locked after it (a call then copies from them), none left once the model is off the
-    device; outputs equal the stock loader's."""
+    """On a GPU a load's first call, its homes page-locked as it runs, holds page-locking off except
+    while it waits for a home (driver_turns.Hold): held when its first block computes, not in the
+    next call, none left once the model is off the device; outputs equal the stock loader's."""
     path, want = wan
     model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
     engine = model.swap_engine
     if not maps(engine):
         pytest.skip("this file's blocks keep RAM homes on this GPU")
-    assert engine.staged is not None   # the first call's staging buffers, made from the node on
     held = []
     hook = engine.states[0].block.register_forward_pre_hook(
         lambda m, a: held.append(threading.current_thread() in driver_turns._holds))
@@ -193,11 +191,5 @@ def test_the_first_call_holds_page_locking_off_until_its_end(wan):
     finally:
         hook.remove()
     assert held[0] and not any(held[1:]), held
-    assert engine.staged is None
-    att = engine.att   # the first call copied from staging; the streamed homes page-lock after it
-    if att.pinning is not None:
-        att.pinning.join()
-    assert all(engine.pool.mapped[i].pinned for i in att.plan.streamed if i in engine.pool.mapped)
-    assert torch.equal(forward(model, *inputs(seed=0)), want) and att.pinning is None and att.memory == "pinned"
     comfy.model_management.unload_all_models()
     assert not driver_turns._holds and not engine.pool.pinned_bytes

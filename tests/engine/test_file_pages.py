@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 
-from ringswap.loaders.model_file.range_reader import RangeReader
 from ringswap.swap import BlockSwapEngine, ResidencyPlan
 from ringswap.swap.file_pages import PAGE, FilePages, MappedBlock
 from ringswap.swap.layout import BlockBinding, BlockLayout
@@ -19,7 +18,7 @@ from zlib_planes import ZlibPlanes
 X = torch.randn(4, 32)
 
 
-def write_file(blocks, path, gap=3, reads=False):
+def write_file(blocks, path, gap=3):
     """Each block's tensors written in reverse order at odd offsets (not the layout's), the
     blocks back to back so that neighbours share pages; returns map_block over a FilePages."""
     parts, pos, raw = [], 5, bytearray(5)
@@ -33,34 +32,19 @@ def write_file(blocks, path, gap=3, reads=False):
             mine.append((pos + gap, e.nbytes, e.offset))
             pos += gap + e.nbytes
         parts.append((mine, layout.nbytes))
-    return map_blocks(path, raw, parts, reads)
+    return map_blocks(path, raw, parts)
 
 
-class Reads:
-    """The loader's positioned reads of a file (keeping the page cache), counted: a FilePages' `read`."""
-
-    def __init__(self, path):
-        self.reader, self.count = RangeReader(path, workers=2), 0
-
-    def __call__(self, dest, ranges):
-        self.count += 1
-        return self.reader.read_into(dest, ranges, keep_cache=True)
-
-
-def map_blocks(path, raw, parts, reads=False):
-    """`raw` written to `path`; map_block over a MappedBlock of each block's (parts, bytes); with
-    `reads`, the pages can be read (`stage`) through a Reads, which map_block.reads counts."""
+def map_blocks(path, raw, parts):
+    """`raw` written to `path`; map_block over a MappedBlock of each block's (parts, bytes)."""
     with open(path, "wb") as f:
         f.write(raw)
-    read = Reads(path) if reads else None
-    pages = FilePages(path, read=read)
+    pages = FilePages(path)
     homes = [MappedBlock(pages, p, n) for p, n in parts]
-    map_block = lambda i: homes[i]   # noqa: E731
-    map_block.reads = read
-    return map_block
+    return lambda i: homes[i]
 
 
-def write_file_cast(blocks, path, reads=False):
+def write_file_cast(blocks, path):
     """Each block's tensors written back to back as bf16 (the blocks hold fp16): map_block over
     homes whose every part is cast as it lands."""
     parts, raw = [], bytearray()
@@ -72,7 +56,7 @@ def write_file_cast(blocks, path, reads=False):
             mine.append((len(raw), len(data), e.offset, (torch.bfloat16, torch.float16)))
             raw += data
         parts.append((mine, layout.nbytes))
-    return map_blocks(path, raw, parts, reads)
+    return map_blocks(path, raw, parts)
 
 
 @pytest.mark.parametrize("stream_first", [False, True])
@@ -98,30 +82,6 @@ def test_mapped_homes_are_exact_and_read_nothing(tmp_path, stream_first):
             assert src.reads == (0 if stream_first else len(plan.resident)) and set(engine.pool.mapped) == set(range(N))
             engine.detach()
             engine.release_home()
-
-
-def test_a_first_call_reads_homes_not_page_locked_into_staging(tmp_path):
-    """A load's first call copies each block whose home is the file's pages and not page-locked from a
-    staging buffer read from the file (swap/first_use.py), resident and streamed alike: exact at every
-    window and prefetch; the calls after copy from the pages and read nothing."""
-    ref = run(make_blocks(), X)
-    for window in (1, 3, N):
-        for prefetch in (0, 1, 2):
-            blocks = make_blocks()
-            map_block = write_file(blocks, os.path.join(tmp_path, f"s{window}{prefetch}.bin"), reads=True)
-            src = FileLike(blocks)
-            engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2, map_block=map_block)
-            plan = ResidencyPlan.make(N, window, prefetch)
-            engine.attach("cpu", load_plan(plan, stream_first=True))
-            assert torch.equal(run(blocks, X), ref), (window, prefetch)
-            staged = map_block.reads.count   # a first call places resident blocks (none: none streams)
-            assert (staged >= N if plan.resident else staged == 0) and src.reads == 0, (window, prefetch, staged)
-            for _ in range(2):
-                assert torch.equal(run(blocks, X), ref), (window, prefetch)
-            assert map_block.reads.count == staged
-            engine.detach()
-            engine.release_home()
-            map_block.reads.reader.close()
 
 
 def test_copies_split_where_the_registered_pages_begin_and_end(tmp_path):
@@ -170,14 +130,6 @@ def test_a_tensor_held_in_another_dtype_is_cast_as_it_lands(tmp_path, model_dtyp
     left()
     assert torch.equal(out[512:].view(model_dtype), values.to(model_dtype)) and not out[4:512].any()
     assert out[:4].view(torch.float32).item() == 0.25
-    read = Reads(path)   # the same bytes read into a staging buffer first: the same landing
-    staged = MappedBlock(FilePages(path, read=read), [(6, 6000, 512, (torch.bfloat16, model_dtype))], 512 + size,
-                         [(scale, 0)])
-    buf = torch.full((staged.staged_nbytes,), 7, dtype=torch.uint8)
-    assert staged.stage(buf).result() == 6000 and staged.staged_offsets() == [0, 6000]
-    out2 = torch.zeros_like(out)
-    assert staged.land(out2, staged=buf) is None and torch.equal(out2, out)   # on the CPU cast at once
-    read.reader.close()
     if torch.cuda.is_available():
         dev = torch.zeros_like(out, device="cuda")
         left = home.land(dev)
@@ -195,26 +147,21 @@ def test_a_tensor_held_in_another_dtype_is_cast_as_it_lands(tmp_path, model_dtyp
 
 def test_homes_cast_as_they_land_are_exact_at_every_window(tmp_path):
     """Blocks held in fp16 whose file holds bf16 (ComfyUI 0.33's Wan): mapped, cast where each block
-    lands (a first call's from a staging buffer read from the file); exact against the same blocks
-    loaded at once, on the CPU and on a GPU."""
+    lands; exact against the same blocks loaded at once, on the CPU and on a GPU."""
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         for window in (1, 3, N):
             for stream_first in (False, True):
                 blocks = make_blocks().to(torch.bfloat16).to(torch.float16)   # the file's values, held in fp16
                 ref = run(copy.deepcopy(blocks).to(device), X.to(device, torch.float16))
-                map_block = write_file_cast(blocks, os.path.join(tmp_path, f"h{device}{window}{stream_first}.bin"),
-                                            reads=True)
+                map_block = write_file_cast(blocks, os.path.join(tmp_path, f"h{device}{window}{stream_first}.bin"))
                 engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home="auto",
                                          disk_workers=2, map_block=map_block)
-                plan = ResidencyPlan.make(N, window, 1)
-                engine.attach(device, load_plan(plan, stream_first=stream_first))
+                engine.attach(device, load_plan(ResidencyPlan.make(N, window, 1), stream_first=stream_first))
                 for _ in range(3):
                     assert torch.equal(run(blocks, X.to(device, torch.float16)), ref), (device, window, stream_first)
-                assert (map_block.reads.count >= N) == (stream_first and bool(plan.resident)), map_block.reads.count
                 engine.detach()
                 engine.release_home()
-                map_block.reads.reader.close()
 
 
 @pytest.mark.gpu
