@@ -175,8 +175,10 @@ def _load_nonblock(dm: torch.nn.Module, sd: dict, list_names: tuple[str, ...],
                 load(child, prefix + name + ".")
         for tensors in (module._parameters, module._buffers):
             for name, t in tensors.items():
-                mine = t is not None and adopted.get(name) is t
-                if t is not None and (file_view(t.data) or mine and t.data.data_ptr() % ALIGN):
+                if t is None:
+                    continue
+                mine = adopted.get(name) is t   # adopted and kept: ComfyUI would have copied it, aligned
+                if file_view(t.data) or mine and t.data.data_ptr() % ALIGN:
                     t.data = owned(t.data, aligned=mine)
 
     with torch.no_grad():
