@@ -41,7 +41,8 @@
 # ~1 min). held_copy in ttfs-diag hung once at its read-only registration of a fresh file (RESULTS.md).
 # compare-ttfs-12h / compare-ttfs-12h-cold (issue 53: the users' cell, cfg 5, 12 GiB, halved link, 7,800
 # tokens, a 20-step first prompt: TTFS and its wall; ComfyUI dynamic VRAM, RingSwap Patch on 0.33, the
-# Loader and ComfyUI on 0.3.75; warm page cache / --cold; ~7.5 / ~8.5 min). The compare parts run 5-step
+# Loader as users get it (home=auto) and ComfyUI on 0.3.75, then the Loader with home=ram last (dropped
+# where the budget ends); warm page cache / --cold; ~8 / ~9 min). The compare parts run 5-step
 # prompts unless ARGS give --prompt-steps.
 # compare-workflow-12h (issue 53, the workflow cell as users run it: Wan 2.2's two experts, a rank-64 LoRA on
 # every block linear of each, 4 + 4 steps at cfg 1 as KSamplerAdvanced splits them, 32,760 tokens, 12 GiB, halved
@@ -162,10 +163,12 @@ for p in "$@"; do
                     --json "$OUT/vace_033dyn.json" ;;
     compare-cfg5-12h) compare cfg5_12h 470 --tokens 7800 --cfgs 5 --links halved --caps 12 --configs comfy-0.33-dyn@0 \
                         rs-patch-0.33-dyn comfy-0.33-dyn rs-loader-0.33-dyn comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.3.75 ;;
-    compare-ttfs-12h) compare ttfs_12h 470 --tokens 7800 --cfgs 5 --links halved --prompt-steps 20 \
-                        --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-loader-0.3.75@12 comfy-0.3.75@12 ;;
-    compare-ttfs-12h-cold) compare ttfs_12h_cold 520 --tokens 7800 --cfgs 5 --links halved --prompt-steps 20 --cold \
-                             --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-loader-0.3.75@12 comfy-0.3.75@12 ;;
+    compare-ttfs-12h) compare ttfs_12h 500 --tokens 7800 --cfgs 5 --links halved --prompt-steps 20 \
+                        --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-auto-0.3.75@12 comfy-0.3.75@12 \
+                        rs-loader-0.3.75@12 ;;
+    compare-ttfs-12h-cold) compare ttfs_12h_cold 540 --tokens 7800 --cfgs 5 --links halved --prompt-steps 20 --cold \
+                             --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-auto-0.3.75@12 comfy-0.3.75@12 \
+                             rs-loader-0.3.75@12 ;;
     compare-cfg1-12h) compare cfg1_12h 230 --tokens 7800 --cfgs 1 --links halved --caps 12 --rerun --rerun-steps 3 \
                         --configs comfy-0.33-dyn@0 rs-patch-0.33-dyn comfy-0.33-dyn ;;
     compare-workflow-12h) compare workflow_12h 540 --workflow --layers 20 --prompt-steps 8 --configs comfy-0.33-dyn@12 \
