@@ -128,13 +128,13 @@ class BlockLoop:
         for slot in att.ring.slots if att.ring is not None else ():
             if slot.reading and slot.owner in self.pool.filling:
                 self._home(slot.owner).finish(slot, att)
-        read, seconds, reads_s, pin_s = att.first_use.complete()
+        first = att.first_use.complete()
         att.first_use = None
         att.copier.synchronize()   # settle may unpin what the copies read
         staged = att.memory == "staged"
         settle(self.homes, self.states, self.pool, att)
         if att.memory == "staged" and not staged and att.ring is not None:   # page-locking failed
             att.ring.add_staging(pin=att.device.type == "cuda")
-        self.read_back = (read, seconds)
-        att.stats.first_call = (read, seconds, att.stats.read_wait_s, reads_s, pin_s)
-        log.debug("first call streamed %.2f GB from the file in %.2f s", read / 1e9, seconds)
+        self.read_back = (first.read, first.seconds)
+        att.stats.first_call = first
+        log.debug("first call streamed %.2f GB from the file in %.2f s", first.read / 1e9, first.seconds)

@@ -26,6 +26,7 @@ from .host_pool import Fill, HostBuffer, HostPool
 from .ram_homes import EarlyPins
 from .read_ahead import ReadFn
 from .state import Attachment, BlockState
+from .stats import FirstCall
 
 LOOKAHEAD = 6   # blocks read at once: enough chunks for 16 readers, few enough to keep call order
 
@@ -56,6 +57,8 @@ class FirstUse:
         self.t0 = time.perf_counter()
         self.reads_done = self.t0   # when the last read finished
         self.pin_s = 0.0            # page-locking time, summed over the pinning threads
+        self.pin_wait_s = 0.0       # this call's thread waited for page-locking
+        self.pins_end = 0.0         # when the last of its own pins ended
         self.total = sum(states[i].layout.nbytes for i in self.todo)   # what the progress counts to
         self.placed_bytes = 0
         self.streamed_homes = [i for i in homes if i not in self.placing]   # in once read
@@ -71,7 +74,9 @@ class FirstUse:
         """Before a slot copies streamed `block` from its home: the home page-locked first where
         its pin is in flight (a copy from pageable memory would stall the copy stream)."""
         if self.pinning is not None:
+            t0 = time.perf_counter()
             self.pinning.wait(block)
+            self.pin_wait_s += time.perf_counter() - t0
 
     # ----- reads ahead -----------------------------------------------------------------
     def _in_flight(self) -> int:
@@ -135,7 +140,8 @@ class FirstUse:
     def _pin(self, block: int) -> None:
         t0 = time.perf_counter()
         self.pool.lock([block])
-        self.pin_s += time.perf_counter() - t0
+        self.pins_end = time.perf_counter()
+        self.pin_s += self.pins_end - t0
 
     # ----- resident blocks ---------------------------------------------------------------
     def _guarded(self, block: int) -> None:
@@ -163,6 +169,7 @@ class FirstUse:
             if pin is not None:
                 with driver_turns.aside():
                     pin.result()
+                self.pin_wait_s += time.perf_counter() - t0
             out, left = s.device_buffer, []
             ready = att.copier.enqueue(lambda: left.append(mapped.land(out)), None, timed=False)
             if left[0] is not None:   # its casts on the land stream, the compute waits for them
@@ -188,10 +195,9 @@ class FirstUse:
         self.pump()
 
     # ----- the end -----------------------------------------------------------------------
-    def complete(self) -> tuple[int, float, float, float]:
+    def complete(self) -> FirstCall:
         """After the first call: place the resident blocks it never called and wait for every home
-        (the caller lands the slots still reading); returns (bytes read, seconds since the attach,
-        seconds until the last read was done, page-locking seconds)."""
+        (the caller lands the slots still reading); returns what the call read and waited for."""
         self._let_go()
         for block in sorted(self.placing):
             self.place(block)
@@ -199,8 +205,11 @@ class FirstUse:
             fill.start()
             fill.future.result()
         self._report()
+        seconds = time.perf_counter() - self.t0
+        pins_end = max(self.pins_end, self.pinning.done_at if self.pinning is not None else 0.0)
         self.stop()
-        return self.nbytes, time.perf_counter() - self.t0, self.reads_done - self.t0, self.pin_s
+        return FirstCall(self.nbytes, seconds, self.att.stats.read_wait_s, self.reads_done - self.t0, self.pin_s,
+                         self.pin_wait_s, pins_end - self.t0 if pins_end else 0.0)
 
     def _let_go(self) -> None:
         if self.hold is not None:

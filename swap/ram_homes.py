@@ -107,7 +107,13 @@ class EarlyPins:
     def __init__(self, pool: HostPool, blocks: list[int]):
         threads = ThreadPoolExecutor(min(PIN_THREADS, len(blocks)), thread_name_prefix="ringswap-pin")
         self.pins = {i: threads.submit(pool.lock, [i]) for i in blocks}
+        self.done_at = 0.0   # perf_counter when the last pin so far ended
+        for pin in self.pins.values():
+            pin.add_done_callback(self._ended)
         threads.shutdown(wait=False)   # the threads end once the pins are done
+
+    def _ended(self, _: futures.Future) -> None:
+        self.done_at = max(self.done_at, time.perf_counter())
 
     def wait(self, block: int) -> None:
         pin = self.pins.get(block)

@@ -9,6 +9,19 @@ if TYPE_CHECKING:
     from .transfer import Times
 
 
+@dataclass(frozen=True)
+class FirstCall:
+    """A load's first call that streamed (swap/first_use.py): its reads and what its thread waited for.
+    Times from the attach that made it."""
+    read: int             # bytes read from the file (not copied from its pages)
+    seconds: float        # to the call's end
+    read_wait_s: float    # the call's thread waited for reads
+    reads_s: float        # when the last read was done
+    pin_s: float          # page-locking of the homes this call read and the blocks it placed, summed over threads
+    pin_wait_s: float = 0.0   # the call's thread waited for page-locking (a slot's copy, a resident block's)
+    pins_end_s: float = 0.0   # when the last home or placed block was page-locked (0: nothing was)
+
+
 @dataclass
 class RunStats:
     blocks: int
@@ -34,7 +47,7 @@ class RunStats:
     shrinks: list = field(default_factory=list)      # (from window, to window) after running out of memory
     replans: list = field(default_factory=list)      # ((window, prefetch) from, to) by the first calls' rates
     activation_peak: int = 0   # bytes the first model call allocated beyond the weights (CUDA)
-    first_call: tuple = ()     # (bytes read, seconds, seconds waited, reads done after s, pin s): a load's first call (first_use.py)
+    first_call: FirstCall | None = None   # a load's first call that streamed (first_use.py)
     first_step_s: float = 0.0  # seconds from the prompt's start to the end of its first step (the adapter's clock)
 
     def add_times(self, t: "Times") -> None:
@@ -114,12 +127,13 @@ class RunStats:
     def first_words(self) -> str:
         """The load's first call and first step, where this run had them."""
         out = ""
-        if self.first_call:
-            read, secs, waited, reads_s, pin_s = self.first_call
-            rate = f" ({read / reads_s / 1e9:.1f} GB/s)" if reads_s > 0.01 else ""
-            out += (f"; the first call computed as its blocks arrived: {read / 1e9:.2f} GB read from the file in "
-                    f"{reads_s:.2f} s{rate}, homes page-locked in {pin_s:.2f} s, all in {secs:.2f} s, compute "
-                    f"waited {waited:.2f} s for reads")
+        f = self.first_call
+        if f is not None:
+            rate = f" ({f.read / f.reads_s / 1e9:.1f} GB/s)" if f.reads_s > 0.01 else ""
+            ended = f", the last {f.pins_end_s:.2f} s after the attach" if f.pins_end_s else ""
+            out += (f"; the first call computed as its blocks arrived: {f.read / 1e9:.2f} GB read from the file in "
+                    f"{f.reads_s:.2f} s{rate}, homes page-locked in {f.pin_s:.2f} s{ended}, all in {f.seconds:.2f} s, "
+                    f"compute waited {f.read_wait_s:.2f} s for reads and {f.pin_wait_s:.2f} s for page-locking")
         if self.first_step_s:
             out += f"; first step done {self.first_step_s:.2f} s after the prompt started"
         return out

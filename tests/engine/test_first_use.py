@@ -39,7 +39,7 @@ def test_first_block_computes_before_the_file_is_read():
     assert seen[0][1] < N - 1, seen   # block 0 ran with most of the file still to read
     assert not engine.loading and src.reads == N   # every block read once: into its home or its device buffer
     stats = engine.end_run()
-    assert stats is None or stats.first_call[0] == N * engine.states[0].layout.nbytes
+    assert stats is None or stats.first_call.read == N * engine.states[0].layout.nbytes
     engine.detach()
 
 
@@ -135,3 +135,18 @@ def test_streamed_first_call_on_cuda_is_exact_and_pins_the_homes(pin_memory):
             assert all(engine.pool.buffer(i).pinned == (pin_memory == "auto") for i in engine.plan.streamed)
         engine.detach()
         engine.release_home()
+
+
+def test_the_run_line_says_what_the_first_call_waited_for():
+    """The run line's first-call words: what it read and when, when page-locking ended, and what
+    its thread waited for, reads and page-locking apart (where a first call's time goes on a GPU)."""
+    from ringswap.swap.stats import FirstCall, RunStats
+    stats = RunStats(blocks=40, resident=7, streamed=33, ring_slots=2, window=8, prefetch=1, memory="pinned")
+    stats.first_call = FirstCall(read=0, seconds=1.91, read_wait_s=0.0, reads_s=0.0, pin_s=3.66, pin_wait_s=0.62,
+                                 pins_end_s=1.7)
+    words = stats.first_words()
+    assert "homes page-locked in 3.66 s, the last 1.70 s after the attach, all in 1.91 s" in words, words
+    assert "compute waited 0.00 s for reads and 0.62 s for page-locking" in words, words
+    stats.first_call = FirstCall(read=10**9, seconds=0.5, read_wait_s=0.1, reads_s=0.25, pin_s=0.0)
+    assert "1.00 GB read from the file in 0.25 s (4.0 GB/s), homes page-locked in 0.00 s, all in 0.50 s" in \
+        stats.first_words()
