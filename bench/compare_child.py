@@ -57,6 +57,7 @@ CONFIGS = {
     "rs-patch-0.3.75": Config("patch", "0.3.75", False, "RingSwap Patch, auto window, ComfyUI 0.3.75"),
     "rs-loader-0.3.75": Config("loader", "0.3.75", False, "RingSwap Loader, home ram, ComfyUI 0.3.75"),
     "rs-patch-0.33-dyn": Config("patch", "0.33", True, "RingSwap Patch, auto window, ComfyUI 0.33 dynamic"),
+    "rs-patch-0.33": Config("patch", "0.33", False, "RingSwap Patch, auto window, ComfyUI 0.33, dynamic VRAM disabled"),
     "rs-loader-0.33-dyn": Config("loader", "0.33", True, "RingSwap Loader, home ram, ComfyUI 0.33 dynamic"),
     "rs-disk-0.3.75": Config("disk", "0.3.75", False, "RingSwap Loader, home disk (cold cache), 0.3.75"),
     "rs-auto-0.3.75": Config("auto", "0.3.75", False, "RingSwap Loader, home auto, ComfyUI 0.3.75"),

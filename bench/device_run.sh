@@ -44,6 +44,8 @@
 # Loader as users get it (home=auto) and ComfyUI on 0.3.75, then the Loader with home=ram last (dropped
 # where the budget ends); warm page cache / --cold; ~8 / ~9 min). The compare parts run 5-step
 # prompts unless ARGS give --prompt-steps.
+# compare-ttfs-stock (issue 53: the Patch on a stock MODEL against that MODEL's own TTFS, 0.3.75 and 0.33 with
+# dynamic VRAM disabled, the users' cell with 5-step prompts; ~3.5-6 min).
 # ttfs-ab (issue 53: the users' cell, 5-step prompt, RingSwap Patch on 0.33 dynamic VRAM, for each pack tree in
 # RINGSWAP_AB_TREES, default "main ." (.before/NAME, "." this tree; carry .before), two rounds in alternating
 # order, then one ComfyUI dynamic VRAM cell; ~45 s a cell warm, the first writes the model: ~70 s more).
@@ -176,6 +178,8 @@ for p in "$@"; do
         done
       done
       compare ab_comfy 120 --tokens 7800 --cfgs 5 --links halved --configs comfy-0.33-dyn@12 ;;
+    compare-ttfs-stock) compare ttfs_stock 420 --tokens 7800 --cfgs 5 --links halved \
+                          --configs comfy-0.3.75@12 rs-patch-0.3.75@12 comfy-0.33@12 rs-patch-0.33@12 ;;
     compare-ttfs-12h) compare ttfs_12h 500 --tokens 7800 --cfgs 5 --links halved --prompt-steps 20 \
                         --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-auto-0.3.75@12 comfy-0.3.75@12 \
                         rs-loader-0.3.75@12 ;;
@@ -247,7 +251,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/probes/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold ttfs-ab ttfs-diag ttfs-gpu compare-workflow-12h compare-workflow-12h-full-033 compare-workflow-12h-full-075 compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-ttfs-stock ttfs-ab ttfs-diag ttfs-gpu compare-workflow-12h compare-workflow-12h-full-033 compare-workflow-12h-full-075 compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do

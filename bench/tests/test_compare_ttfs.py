@@ -136,6 +136,13 @@ def test_the_patch_on_a_stock_model_is_held_to_that_models_own_ttfs(ttfs, says):
     assert alone.endswith("no comfy-0.3.75 cell in this call to hold it to")
 
 
+def test_the_patch_on_0_33_without_dynamic_vram_is_held_to_that_stock_models_ttfs():
+    """0.33 with dynamic VRAM disabled gives the Patch a stock MODEL too: held to comfy-0.33's own TTFS."""
+    cells = [_cell("comfy-0.33", 15.0, 40.0), _cell("rs-patch-0.33", 16.0, 35.0)]
+    line = _line(compare_targets.targets(cells, None), "- TTFS bf16 cfg 5 link halved 12 GiB rs-patch-0.33 7,800 tokens: ")
+    assert line.endswith("x1.07 comfy-0.33's own TTFS 15.00 s (ok <= 1.1, stock MODEL)")
+
+
 def test_a_missed_ttfs_target_fails_the_merged_report(tmp_path):
     good = {"env": {}, "cells": [_cell("comfy-0.33-dyn", 30.0, 55.0), _cell("rs-patch-0.33-dyn", 4.5, 32.0, 1.05)]}
     bad = copy.deepcopy(good)
