@@ -114,6 +114,10 @@ compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s 
     --json "$OUT/compare_$name.json" --md "$OUT/compare_$name.md" --prompt-steps 5 "$@"
 }
 bench_comfy="${RINGSWAP_COMFY:-0.3.75}"
+# the users' TTFS cell with a 20-step first prompt, warm or --cold: ComfyUI and RingSwap as users get them on
+# both versions, the Loader with home=ram last (dropped where the budget ends)
+ttfs_12h=(--tokens 7800 --cfgs 5 --links halved --prompt-steps 20 --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12
+          rs-auto-0.3.75@12 comfy-0.3.75@12 rs-loader-0.3.75@12)
 for p in "$@"; do
   case $p in
     suite) part suite 260 0.3.75 0 "${pytest[@]}" ;;
@@ -180,12 +184,8 @@ for p in "$@"; do
       compare ab_comfy 120 --tokens 7800 --cfgs 5 --links halved --configs comfy-0.33-dyn@12 ;;
     compare-ttfs-stock) compare ttfs_stock 420 --tokens 7800 --cfgs 5 --links halved \
                           --configs comfy-0.3.75@12 rs-patch-0.3.75@12 comfy-0.33@12 rs-patch-0.33@12 ;;
-    compare-ttfs-12h) compare ttfs_12h 500 --tokens 7800 --cfgs 5 --links halved --prompt-steps 20 \
-                        --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-auto-0.3.75@12 comfy-0.3.75@12 \
-                        rs-loader-0.3.75@12 ;;
-    compare-ttfs-12h-cold) compare ttfs_12h_cold 540 --tokens 7800 --cfgs 5 --links halved --prompt-steps 20 --cold \
-                             --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12 rs-auto-0.3.75@12 comfy-0.3.75@12 \
-                             rs-loader-0.3.75@12 ;;
+    compare-ttfs-12h) compare ttfs_12h 500 "${ttfs_12h[@]}" ;;
+    compare-ttfs-12h-cold) compare ttfs_12h_cold 540 "${ttfs_12h[@]}" --cold ;;
     compare-cfg1-12h) compare cfg1_12h 230 --tokens 7800 --cfgs 1 --links halved --caps 12 --rerun --rerun-steps 3 \
                         --configs comfy-0.33-dyn@0 rs-patch-0.33-dyn comfy-0.33-dyn ;;
     compare-workflow-12h) compare workflow_12h 540 --workflow --layers 20 --prompt-steps 8 --configs comfy-0.33-dyn@12 \
