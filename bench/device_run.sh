@@ -47,8 +47,9 @@
 # compare-ttfs-stock (issue 53: the Patch on a stock MODEL against that MODEL's own TTFS, 0.3.75 and 0.33 with
 # dynamic VRAM disabled, the users' cell with 5-step prompts; ~3.5-6 min).
 # ttfs-ab (issue 53: the users' cell, 5-step prompt, RingSwap Patch on 0.33 dynamic VRAM, for each pack tree in
-# RINGSWAP_AB_TREES, default "main ." (.before/NAME, "." this tree; carry .before), two rounds in alternating
-# order, then one ComfyUI dynamic VRAM cell; ~45 s a cell warm, the first writes the model: ~70 s more).
+# RINGSWAP_AB_TREES, default "main ." (.before/NAME, "." this tree; carry .before), first one ComfyUI dynamic VRAM
+# cell (it writes the model where the machine lacks it, ~70 s more, and leaves the file in the page cache), then
+# two rounds in alternating order; ~45 s a cell warm).
 # compare-workflow-12h (issue 53, the workflow cell as users run it: Wan 2.2's two experts, a rank-64 LoRA on
 # every block linear of each, 4 + 4 steps at cfg 1 as KSamplerAdvanced splits them, 32,760 tokens, 12 GiB, halved
 # link; first and next prompt of ComfyUI alone and RingSwap on 0.33 dynamic VRAM (Patch, Loader home=auto) and
@@ -173,6 +174,8 @@ for p in "$@"; do
     compare-cfg5-12h) compare cfg5_12h 470 --tokens 7800 --cfgs 5 --links halved --caps 12 --configs comfy-0.33-dyn@0 \
                         rs-patch-0.33-dyn comfy-0.33-dyn rs-loader-0.33-dyn comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.3.75 ;;
     ttfs-ab) trees=(${RINGSWAP_AB_TREES:-main .})   # the users' cell per tree (.before/NAME; "." this tree), two rounds
+      secs=120; [ -e /tmp/ringswap_bench/wan_bf16_l40_d5120.safetensors ] || secs=200
+      compare ab_comfy $secs --tokens 7800 --cfgs 5 --links halved --configs comfy-0.33-dyn@12   # first: it may write the model
       for round in 1 2; do
         [ $round = 2 ] && trees=($(printf '%s\n' "${trees[@]}" | tac))   # the second round in the other order
         for t in "${trees[@]}"; do
@@ -180,8 +183,7 @@ for p in "$@"; do
           RINGSWAP_PACK_DIR="$pack" compare "ab_${t//./here}_$round" 125 --tokens 7800 --cfgs 5 --links halved \
             --configs rs-patch-0.33-dyn@12
         done
-      done
-      compare ab_comfy 120 --tokens 7800 --cfgs 5 --links halved --configs comfy-0.33-dyn@12 ;;
+      done ;;
     compare-ttfs-stock) compare ttfs_stock 420 --tokens 7800 --cfgs 5 --links halved \
                           --configs comfy-0.3.75@12 rs-patch-0.3.75@12 comfy-0.33@12 rs-patch-0.33@12 ;;
     compare-ttfs-12h) compare ttfs_12h 500 "${ttfs_12h[@]}" ;;
