@@ -115,6 +115,7 @@ compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s 
     --json "$OUT/compare_$name.json" --md "$OUT/compare_$name.md" --prompt-steps 5 "$@"
 }
 bench_comfy="${RINGSWAP_COMFY:-0.3.75}"
+users_file=/tmp/ringswap_bench/wan_bf16_l40_d5120.safetensors   # the users' cell's model, as compare.py writes it
 # the users' TTFS cell with a 20-step first prompt, warm or --cold: ComfyUI and RingSwap as users get them on
 # both versions, the Loader with home=ram last (dropped where the budget ends)
 ttfs_12h=(--tokens 7800 --cfgs 5 --links halved --prompt-steps 20 --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12
@@ -148,7 +149,7 @@ for p in "$@"; do
     ttfs-diag) export RINGSWAP_BENCH_TRACE="$OUT"   # the 0.33 Patch's TTFS traced, then page-locking's rates
       compare ttfs_diag 170 --tokens 7800 --cfgs 5 --links halved --prompt-steps 2 --configs rs-patch-0.33-dyn@12
       unset RINGSWAP_BENCH_TRACE
-      part held_copy 150 0.3.75 0 python3 -u bench/probes/held_copy.py /tmp/ringswap_bench/wan_bf16_l40_d5120.safetensors ;;
+      part held_copy 150 0.3.75 0 python3 -u bench/probes/held_copy.py "$users_file" ;;
     ttfs-gpu) export RINGSWAP_BENCH_GPU="$OUT"   # the users' cell's first steps on the GPU, the Patch and ComfyUI
       compare ttfs_gpu 240 --tokens 7800 --cfgs 5 --links halved --prompt-steps 2 \
         --configs rs-patch-0.33-dyn@12 comfy-0.33-dyn@12
@@ -174,7 +175,7 @@ for p in "$@"; do
     compare-cfg5-12h) compare cfg5_12h 470 --tokens 7800 --cfgs 5 --links halved --caps 12 --configs comfy-0.33-dyn@0 \
                         rs-patch-0.33-dyn comfy-0.33-dyn rs-loader-0.33-dyn comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.3.75 ;;
     ttfs-ab) trees=(${RINGSWAP_AB_TREES:-main .})   # the users' cell per tree (.before/NAME; "." this tree), two rounds
-      secs=120; [ -e /tmp/ringswap_bench/wan_bf16_l40_d5120.safetensors ] || secs=200
+      secs=120; [ -e "$users_file" ] || secs=200
       compare ab_comfy $secs --tokens 7800 --cfgs 5 --links halved --configs comfy-0.33-dyn@12   # first: it may write the model
       for round in 1 2; do
         [ $round = 2 ] && trees=($(printf '%s\n' "${trees[@]}" | tac))   # the second round in the other order
