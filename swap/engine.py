@@ -34,7 +34,7 @@ from .resident_folds import fold_resident
 from .slot_ring import SlotRing
 from .coding import Coding, coding_for, keep_coder
 from .plane_coder import PlaneCoder
-from .ram_homes import capture_resident, ensure, expected_memory, lock_early, read_homes, read_progress, settle
+from .ram_homes import EarlyPins, capture_resident, ensure, expected_memory, lock_early, read_homes, read_progress, settle
 from .state import Attachment, BlockState, OnLand, ResidentWork, dense_bytes, writes_blocks
 from .stats import RunStats
 
@@ -75,6 +75,7 @@ class BlockSwapEngine(BlockLoop):
         self.coder_factory: Callable[[torch.device], PlaneCoder] | None = None   # set where a load may code
         self.coding: Coding | None = None
         self.in_order = True   # the model runs nothing between a block and the next (timing; VACE: False)
+        self.ahead: EarlyPins | None = None   # the file's pages page-locked before the first attach (pin_ahead)
         if read_block is not None:   # weights come from the reader: drop what the modules hold
             for st in self.states:
                 st.unbind(torch.device("cpu"))
@@ -100,6 +101,14 @@ class BlockSwapEngine(BlockLoop):
         reads); calls progress(done_bytes, total_bytes). Returns the bytes read."""
         every = self.homes.every_block and self.read_block is not None
         return read_homes(self.states, self.pool, self.read_block, progress) if every else 0
+
+    def pin_ahead(self, device: torch.device | str, pin_memory: str) -> None:
+        """home=auto from the file's pages, before the first attach: page-lock every block's pages from
+        now on, in call order (what runs before sampling hides it); the attach takes the pins over."""
+        if self.att is None and self.ahead is None and self.map_block is not None and self.homes.splits_ram \
+                and torch.device(device).type == "cuda" and pin_memory != "off":
+            self._map_homes(frozenset(range(self.num_blocks)), compress=False)
+            self.ahead = lock_early(self.pool, torch.device(device), pin_memory, sorted(self.pool.mapped))
 
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, load_plan: LoadPlan, owner: object = None,
@@ -129,6 +138,9 @@ class BlockSwapEngine(BlockLoop):
         if plan.num_blocks != self.num_blocks:
             raise ValueError(f"the plan is for {plan.num_blocks} blocks, the engine has {self.num_blocks}")
         keep = self.homes.ram_homes(self.num_blocks, plan, ram_blocks)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and compress:   # coded homes replace the mapped ones: no pin under them
+            ahead = ahead.join()
         if self.att is not None:
             a = self.att
             if (a.device, a.plan, a.pin_memory, a.on_land, a.ram_homes, a.compress, a.resident_work) == \
@@ -152,7 +164,7 @@ class BlockSwapEngine(BlockLoop):
         homed = [i for i in plan.streamed if i in keep]
         if compress:
             self.coding.code_homes(self.states, self.pool, homed, self.link_bytes_per_s)
-        pinning = lock_early(self.pool, device, pin_memory, homed)
+        pinning = lock_early(self.pool, device, pin_memory, homed, ahead)
         read_back = self._place_and_prime(att, placing, file_streamed, read_back, report, pinning, fills, stream_first)
         if att.first_use is None:
             self.read_back = (read_back, time.perf_counter() - t0) if read_back else (0, 0.0)
@@ -276,8 +288,8 @@ class BlockSwapEngine(BlockLoop):
         return tuple(i for i in blocks if self.map_block(i) is None)
 
     def release_home(self) -> None:
-        """Free the pinned/host home copies (only when detached and the weights are
-        no longer needed, e.g. the model is being deleted)."""
+        """Free the host homes and pins (the weights no longer needed: the model is being deleted)."""
+        self.ahead = self.ahead.join() if self.ahead is not None else None
         self.detach()
         self.pool.release()
 
@@ -305,8 +317,7 @@ class BlockSwapEngine(BlockLoop):
                 self.orders[att.plan.streamed] = learned
 
     def _close_stats(self) -> RunStats:
-        """Unbind any block left bound by an exception and fold the device timings into the
-        run's stats (synchronises once)."""
+        """Unbind any block an exception left bound; fold the device timings into the run's stats (one sync)."""
         for s in self.states:
             if s.slot is not None:
                 s.unbind()

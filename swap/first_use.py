@@ -92,7 +92,10 @@ class FirstUse:
                 if self.pool.filling.get(b) is self.fills[b]:
                     self.fills[b].start()
             elif b in self.placing and b in self.pool.mapped:   # placed from the file's pages
-                if self.pinner is not None:
+                ahead = self.pinning.pins.get(b) if self.pinning is not None else None
+                if ahead is not None:
+                    self.pins[b] = ahead
+                elif self.pinner is not None:
                     self.pins[b] = self.pinner.submit(self._pin, b)
                 self.flight.add(b)
             elif b in self.placing:

@@ -105,10 +105,18 @@ class EarlyPins:
     synchronously, stalling the stream. `settle` pins what is left."""
 
     def __init__(self, pool: HostPool, blocks: list[int]):
-        threads = ThreadPoolExecutor(min(PIN_THREADS, len(blocks)), thread_name_prefix="ringswap-pin")
-        self.pins = {i: threads.submit(pool.lock, [i]) for i in blocks}
+        self.pins: dict[int, futures.Future] = {}
         self.done_at = 0.0   # perf_counter when the last pin so far ended
-        for pin in self.pins.values():
+        self.add(pool, blocks)
+
+    def add(self, pool: HostPool, blocks: list[int]) -> None:
+        """Page-lock `blocks` too, after those already asked for."""
+        if not blocks:
+            return
+        threads = ThreadPoolExecutor(min(PIN_THREADS, len(blocks)), thread_name_prefix="ringswap-pin")
+        added = {i: threads.submit(pool.lock, [i]) for i in blocks}
+        self.pins.update(added)
+        for pin in added.values():
             pin.add_done_callback(self._ended)
         threads.shutdown(wait=False)   # the threads end once the pins are done
 
@@ -126,9 +134,14 @@ class EarlyPins:
             futures.wait(list(self.pins.values()))
 
 
-def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int]) -> EarlyPins | None:
-    """Page-lock the streamed blocks' RAM homes early (EarlyPins; an expert switch reads and pins at once)."""
-    todo = [i for i in streamed if pool.has(i) and not pool.buffer(i).pinned]
+def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int],
+               ahead: EarlyPins | None = None) -> EarlyPins | None:
+    """Page-lock the streamed blocks' RAM homes early (EarlyPins; an expert switch reads and pins at once);
+    `ahead`: the pins begun before the attach (engine.pin_ahead), which go on and take these on too."""
+    todo = [i for i in streamed if pool.has(i) and not pool.buffer(i).pinned and (ahead is None or i not in ahead.pins)]
+    if ahead is not None:
+        ahead.add(pool, todo)
+        return ahead
     if device.type != "cuda" or pin_memory == "off" or not todo:
         return None
     return EarlyPins(pool, todo)

@@ -95,6 +95,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         # Our own weight state: ComfyUI then fully unloads whatever another patcher of
         # the same model left on the GPU before loading this one (partially_load).
         n.patches_uuid = uuid.uuid4()
+        if settings.compress != "on" and not settings.ram_budget_gb:   # every block's home in the file's pages
+            state.engine.pin_ahead(n.load_device, settings.pin_memory)
         if settings.window > state.engine.num_blocks:
             log.warning("RingSwap: window=%d is more than the model's %d blocks; using %d (all resident)",
                         settings.window, state.engine.num_blocks, state.engine.num_blocks)

@@ -1,5 +1,6 @@
 """home=auto in-process: the streamed blocks get RAM homes as far as the RAM budget allows, the
 rest stream from the file, resident blocks hold no RAM; outputs equal the stock loader's."""
+import gc
 import logging
 import threading
 
@@ -193,3 +194,42 @@ def test_the_first_call_holds_page_locking_off_until_its_end(wan):
     assert held[0] and not any(held[1:]), held
     comfy.model_management.unload_all_models()
     assert not driver_turns._holds and not engine.pool.pinned_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_file_pages_are_page_locked_from_the_node_on(wan):
+    """On a GPU a home=auto load page-locks every block's file pages from the node on (engine.pin_ahead,
+    in call order, before any sampling); the first attach takes the pins over, the streamed blocks' homes
+    stay locked, the resident blocks' pages are given back at the settle; outputs equal the stock
+    loader's, and a model taken off the device holds no pinned memory."""
+    path, want = wan
+    model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
+    engine = model.swap_engine
+    if not maps(engine):
+        pytest.skip("this file's blocks keep RAM homes on this GPU")
+    assert engine.ahead is not None and set(engine.ahead.pins) == set(engine.pool.mapped) == set(range(BLOCKS))
+    assert torch.equal(forward(model, *inputs(seed=0)), want)
+    plan = engine.plan
+    assert engine.ahead is None
+    assert all(engine.pool.buffer(i).pinned for i in plan.streamed)
+    assert not set(plan.resident) & set(engine.pool.mapped)
+    comfy.model_management.unload_all_models()
+    assert not engine.pool.pinned_bytes
+    assert torch.equal(forward(model, *inputs(seed=0)), want)
+    comfy.model_management.unload_all_models()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_model_dropped_while_its_pages_are_page_locked_leaves_the_next_exact(wan):
+    """A model dropped right after its node (its pins still running on their threads) lets go of
+    its mapping only once they end: no crash, nothing left page-locked, and the next load is exact."""
+    path, want = wan
+    for _ in range(3):
+        model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
+        del model
+        gc.collect()
+    model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
+    assert torch.equal(forward(model, *inputs(seed=0)), want)
+    comfy.model_management.unload_all_models()
