@@ -102,13 +102,13 @@ class BlockSwapEngine(BlockLoop):
         every = self.homes.every_block and self.read_block is not None
         return read_homes(self.states, self.pool, self.read_block, progress) if every else 0
 
-    def pin_ahead(self, device: torch.device | str, pin_memory: str) -> None:
-        """home=auto from the file's pages, before the first attach: page-lock every block's pages from
-        now on, in call order (what runs before sampling hides it); the attach takes the pins over."""
-        if self.att is None and self.ahead is None and self.map_block is not None and self.homes.splits_ram \
-                and torch.device(device).type == "cuda" and pin_memory != "off":
+    def pin_ahead(self, device: torch.device | str) -> None:
+        """Before the first attach (where swap.load_plan.pins_ahead says so): page-lock every block's
+        pages in the file from now on, in call order (what runs before sampling hides it); the
+        attach takes the pins over. Nothing where the blocks cannot be mapped or not on CUDA."""
+        if self.att is None and self.ahead is None and self.map_block is not None and torch.device(device).type == "cuda":
             self._map_homes(frozenset(range(self.num_blocks)), compress=False)
-            self.ahead = lock_early(self.pool, torch.device(device), pin_memory, sorted(self.pool.mapped))
+            self.ahead = lock_early(self.pool, torch.device(device), "auto", sorted(self.pool.mapped))
 
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, load_plan: LoadPlan, owner: object = None,

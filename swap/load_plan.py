@@ -337,6 +337,14 @@ def bytes_before_attach(engine: EngineFacts, settings: SwapSettings) -> int:
     return device_bytes(engine.block_sizes, plan) if plan is not None else engine.total_block_bytes
 
 
+def pins_ahead(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -> bool:
+    """Whether a load page-locks every block's file pages before its first plan (engine.pin_ahead):
+    homes split RAM and stay raw, and the home RAM holds every block, so whatever window the plan
+    takes, its split keeps every streamed block in RAM (pages locked beyond it would be RAM lost)."""
+    return (engine.policy.splits_ram and settings.compress != "on" and settings.pin_memory != "off"
+            and _home_ram(engine, run, settings)[0] >= engine.total_block_bytes)
+
+
 def kept_at_unload(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -> int:
     """Bytes of resident blocks a model taken off the GPU may keep in RAM (the next attach then
     places them without reading the file): what the home RAM leaves beside the homes it holds,
@@ -347,4 +355,5 @@ def kept_at_unload(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -
 
 
 __all__ = ["CODED", "KEEP", "LOAD", "OOM", "RATES", "CallFacts", "EngineFacts", "LoadPlan", "NotEnoughVRAM",
-           "RunFacts", "SwapSettings", "bytes_before_attach", "kept_at_unload", "place_seconds", "plan_load", "ram_homes"]
+           "RunFacts", "SwapSettings", "bytes_before_attach", "kept_at_unload", "pins_ahead", "place_seconds", "plan_load",
+           "ram_homes"]

@@ -44,7 +44,7 @@ from ...swap import BlockSwapEngine, driver_turns
 from ...swap.host_pool import locked_while, set_pin_budget
 from ...swap.page_out import mapped_tensors, page_out_moved
 from ...swap.plane_coder import ans_coder
-from ...swap.load_plan import CODED, KEEP, LOAD, LoadPlan, NotEnoughVRAM, SwapSettings, bytes_before_attach, kept_at_unload, plan_load
+from ...swap.load_plan import CODED, KEEP, LOAD, LoadPlan, NotEnoughVRAM, SwapSettings, bytes_before_attach, kept_at_unload, pins_ahead, plan_load
 from . import comfy_memory, comfy_models, comfy_server
 from . import gguf_tensors, live_feed, run_facts, sampling
 from .live_payload import RUN_EVENT, run_payload
@@ -95,8 +95,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         # Our own weight state: ComfyUI then fully unloads whatever another patcher of
         # the same model left on the GPU before loading this one (partially_load).
         n.patches_uuid = uuid.uuid4()
-        if settings.compress != "on" and not settings.ram_budget_gb:   # every block's home in the file's pages
-            state.engine.pin_ahead(n.load_device, settings.pin_memory)
+        if pins_ahead(state.engine.facts(), run_facts.host_ram(n.load_device), settings):
+            state.engine.pin_ahead(n.load_device)
         if settings.window > state.engine.num_blocks:
             log.warning("RingSwap: window=%d is more than the model's %d blocks; using %d (all resident)",
                         settings.window, state.engine.num_blocks, state.engine.num_blocks)

@@ -10,7 +10,7 @@ import pytest
 
 from ringswap.swap.coding_choice import SCRATCH_BYTES
 from ringswap.swap.load_plan import (CODED, DISK_GUESS, KEEP, LOAD, OOM, RATES, CallFacts, EngineFacts, RunFacts,
-                                     SwapSettings, bytes_before_attach, kept_at_unload, place_seconds, plan_load,
+                                     SwapSettings, bytes_before_attach, kept_at_unload, pins_ahead, place_seconds, plan_load,
                                      ram_homes)
 from ringswap.swap.home_policy import home_policy
 from ringswap.swap.ram_split import MARGIN_MIN, MARGIN_SHARE, home_ram
@@ -317,6 +317,20 @@ def test_kept_at_unload_is_what_home_ram_leaves_beside_the_homes():
     assert kept_at_unload(auto_home(homes_held=GB), run(), SwapSettings(3, ram_budget_gb=3.0)) == 2 * GB
     assert kept_at_unload(auto_home(homes_held=4 * GB), run(), SwapSettings(3, ram_budget_gb=3.0)) == 0
     assert kept_at_unload(engine(homes_held=GB), run(), SwapSettings(3, ram_budget_gb=3.0)) == 0
+
+
+@pytest.mark.parametrize("case,facts,ram,settings,want", [
+    ("home auto, RAM for every block", auto_home(), 64 * GB, SwapSettings(0), True),
+    ("home auto, RAM for 4 of 5 GB after the margin", auto_home(), 6 * GB, SwapSettings(0), False),
+    ("home auto, a budget under the model", auto_home(), 64 * GB, SwapSettings(0, ram_budget_gb=4.9), False),
+    ("home auto, a budget that holds it", auto_home(), 64 * GB, SwapSettings(0, ram_budget_gb=5), True),
+    ("compress on: coded homes in RAM", auto_home(), 64 * GB, SwapSettings(0, compress="on"), False),
+    ("pin_memory off", auto_home(), 64 * GB, SwapSettings(0, pin_memory="off"), False),
+    ("home ram: read into RAM at load", engine(), 64 * GB, SwapSettings(0), False),
+    ("home disk", engine(policy=home_policy("disk")), 64 * GB, SwapSettings(0), False),
+])
+def test_pins_ahead_only_where_every_block_keeps_a_raw_home_in_ram(case, facts, ram, settings, want):
+    assert pins_ahead(facts, run(ram_available=ram), settings) is want, case
 
 
 def test_ram_homes_by_home_policy():
