@@ -105,10 +105,11 @@ class BlockSwapEngine(BlockLoop):
     def pin_ahead(self, device: torch.device | str) -> None:
         """Before the first attach (where swap.load_plan.pins_ahead says so): page-lock every block's
         pages in the file from now on, in call order (what runs before sampling hides it); the
-        attach takes the pins over. Nothing where the blocks cannot be mapped or not on CUDA."""
-        if self.att is None and self.ahead is None and self.map_block is not None and torch.device(device).type == "cuda":
+        attach takes the pins over and its first call still streams. Nothing where the blocks
+        cannot be mapped (a page-lock CUDA refuses leaves that home pageable)."""
+        if self.att is None and self.ahead is None and self.map_block is not None:
             self._map_homes(frozenset(range(self.num_blocks)), compress=False)
-            self.ahead = lock_early(self.pool, torch.device(device), "auto", sorted(self.pool.mapped))
+            self.ahead = EarlyPins(self.pool, sorted(self.pool.mapped)) if self.pool.mapped else None
 
     # ----- attach / detach -----------------------------------------------------------
     def attach(self, device: torch.device | str, load_plan: LoadPlan, owner: object = None,
@@ -138,9 +139,7 @@ class BlockSwapEngine(BlockLoop):
         if plan.num_blocks != self.num_blocks:
             raise ValueError(f"the plan is for {plan.num_blocks} blocks, the engine has {self.num_blocks}")
         keep = self.homes.ram_homes(self.num_blocks, plan, ram_blocks)
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and compress:   # coded homes replace the mapped ones: no pin under them
-            ahead = ahead.join()
+        ahead, self.ahead = self.ahead, None   # pin_ahead's, only before a first attach
         if self.att is not None:
             a = self.att
             if (a.device, a.plan, a.pin_memory, a.on_land, a.ram_homes, a.compress, a.resident_work) == \
@@ -150,6 +149,10 @@ class BlockSwapEngine(BlockLoop):
             self.detach()
         t0 = time.perf_counter()
         placing = [i for i in plan.resident if self.states[i].device_buffer is None]
+        if ahead is not None:   # no page stays locked for a block this plan reads from the file
+            ahead.drop_except(self.pool, keep | frozenset(placing))
+            if compress or pin_memory == "off" or device.type != "cuda":
+                ahead = ahead.join()   # coded homes replace mapped ones; settle unpins what is not to pin
         report = progress if stream_first else read_progress(self.states, self.pool, keep | set(placing), progress) \
             if self.read_block is not None else None
         self._map_homes(keep | (frozenset(placing) if stream_first else frozenset()), compress)

@@ -30,12 +30,15 @@ class EngineState(Protocol):
     link_bytes_per_s: float
     read_back: tuple[int, float]
     num_blocks: int
+    ahead: object | None   # ram_homes.EarlyPins: the file's pages page-locking before the first attach
 
 
 def engine_facts(engine: EngineState) -> EngineFacts:
     pool, coding, att = engine.pool, engine.coding, engine.att
     ratio = coding.ratio if coding is not None and coding.pays else 1.0
-    homes = frozenset(i for i in range(engine.num_blocks) if pool.has(i))
+    # homes mapped ahead (engine.pin_ahead) are still the file's to the plan: its first call streams them
+    ahead = engine.ahead.pins if engine.ahead is not None else {}
+    homes = frozenset(i for i in range(engine.num_blocks) if pool.has(i) and i not in ahead)
     read, read_s = engine.read_back
     return EngineFacts(
         block_sizes=tuple(s.layout.nbytes for s in engine.states),

@@ -339,9 +339,10 @@ def bytes_before_attach(engine: EngineFacts, settings: SwapSettings) -> int:
 
 def pins_ahead(engine: EngineFacts, run: RunFacts, settings: SwapSettings) -> bool:
     """Whether a load page-locks every block's file pages before its first plan (engine.pin_ahead):
-    homes split RAM and stay raw, and the home RAM holds every block, so whatever window the plan
-    takes, its split keeps every streamed block in RAM (pages locked beyond it would be RAM lost)."""
-    return (engine.policy.splits_ram and settings.compress != "on" and settings.pin_memory != "off"
+    on CUDA, homes split RAM and stay raw, and the home RAM holds every block, so whatever window the
+    plan takes, its split keeps every streamed block in RAM (pages locked beyond it would be RAM lost).
+    The plan still streams the first call (swap/facts.py does not count these homes as held)."""
+    return (run.cuda and engine.policy.splits_ram and settings.compress != "on" and settings.pin_memory != "off"
             and _home_ram(engine, run, settings)[0] >= engine.total_block_bytes)
 
 

@@ -133,6 +133,12 @@ class EarlyPins:
         with driver_turns.aside():
             futures.wait(list(self.pins.values()))
 
+    def drop_except(self, pool: HostPool, wanted: frozenset[int]) -> None:
+        """Drop the homes pinned here that are not `wanted` (a pin in flight ends first: InPlace's lock)."""
+        for i in [i for i in self.pins if i not in wanted]:
+            self.pins.pop(i).cancel()
+            pool.drop(i)
+
 
 def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int],
                ahead: EarlyPins | None = None) -> EarlyPins | None:

@@ -200,16 +200,24 @@ def test_the_first_call_holds_page_locking_off_until_its_end(wan):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_file_pages_are_page_locked_from_the_node_on(wan):
     """On a GPU a home=auto load page-locks every block's file pages from the node on (engine.pin_ahead,
-    in call order, before any sampling); the first attach takes the pins over, the streamed blocks' homes
-    stay locked, the resident blocks' pages are given back at the settle; outputs equal the stock
-    loader's, and a model taken off the device holds no pinned memory."""
+    in call order, before any sampling); the first attach takes the pins over and its first call still
+    streams (it holds page-locking off: a Hold when block 0 computes), the streamed blocks' homes stay
+    locked, the resident blocks' pages are given back at the settle; outputs equal the stock loader's,
+    and a model taken off the device holds no pinned memory."""
     path, want = wan
     model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
     engine = model.swap_engine
     if not maps(engine):
         pytest.skip("this file's blocks keep RAM homes on this GPU")
     assert engine.ahead is not None and set(engine.ahead.pins) == set(engine.pool.mapped) == set(range(BLOCKS))
-    assert torch.equal(forward(model, *inputs(seed=0)), want)
+    held = []
+    hook = engine.states[0].block.register_forward_pre_hook(
+        lambda m, a: held.append(threading.current_thread() in driver_turns._holds))
+    try:
+        assert torch.equal(forward(model, *inputs(seed=0)), want)
+    finally:
+        hook.remove()
+    assert held and held[0], held
     plan = engine.plan
     assert engine.ahead is None
     assert all(engine.pool.buffer(i).pinned for i in plan.streamed)

@@ -215,3 +215,28 @@ def test_closing_the_file_pages_leaves_the_views_readable(tmp_path):
     view = pages.data[PAGE + 7:2 * PAGE + 9]
     pages.close()
     assert torch.equal(view.clone(), raw[PAGE + 7:2 * PAGE + 9])
+
+
+def test_homes_mapped_ahead_leave_the_first_call_streaming(tmp_path):
+    """engine.pin_ahead (every block's pages page-locked from the node on, where
+    swap.load_plan.pins_ahead says so) maps the homes before any plan, yet the plan sees none
+    held, so the first call still streams. The attach takes the mapped homes over and drops
+    the one its plan leaves to the file; outputs stay exact."""
+    ref = run(make_blocks(), X)
+    blocks = make_blocks()
+    src = FileLike(blocks)
+    engine = BlockSwapEngine(list(blocks), read_block=src.read, home="auto", disk_workers=2,
+                             map_block=write_file(blocks, os.path.join(tmp_path, "a.bin")))
+    engine.pin_ahead("cpu")
+    assert set(engine.pool.mapped) == set(range(N)) and engine.ahead is not None
+    assert engine.facts().homes == frozenset()   # so plan_load's first_read counts every block
+    plan = ResidencyPlan.make(N, 3, 1)
+    to_file, kept = plan.streamed[0], plan.streamed[1:]
+    engine.attach("cpu", load_plan(plan, ram_blocks=kept, stream_first=True))
+    assert engine.ahead is None and engine.att.first_use is not None
+    assert to_file not in engine.pool.mapped
+    for _ in range(3):
+        assert torch.equal(run(blocks, X), ref)
+    assert set(engine.pool.mapped) == set(kept)   # the resident blocks' pages given back once placed
+    engine.detach()
+    engine.release_home()

@@ -328,9 +328,11 @@ def test_kept_at_unload_is_what_home_ram_leaves_beside_the_homes():
     ("pin_memory off", auto_home(), 64 * GB, SwapSettings(0, pin_memory="off"), False),
     ("home ram: read into RAM at load", engine(), 64 * GB, SwapSettings(0), False),
     ("home disk", engine(policy=home_policy("disk")), 64 * GB, SwapSettings(0), False),
+    ("a CPU device: nothing to page-lock", auto_home(), 64 * GB, SwapSettings(0), "cpu"),
 ])
 def test_pins_ahead_only_where_every_block_keeps_a_raw_home_in_ram(case, facts, ram, settings, want):
-    assert pins_ahead(facts, run(ram_available=ram), settings) is want, case
+    device = "cpu" if want == "cpu" else "cuda:0"
+    assert pins_ahead(facts, run(ram_available=ram, device=device), settings) is (want is True), case
 
 
 def test_ram_homes_by_home_policy():
