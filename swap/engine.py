@@ -103,10 +103,8 @@ class BlockSwapEngine(BlockLoop):
         return read_homes(self.states, self.pool, self.read_block, progress) if every else 0
 
     def pin_ahead(self, device: torch.device | str) -> None:
-        """Before the first attach (where swap.load_plan.pins_ahead says so): page-lock every block's
-        pages in the file from now on, in call order (what runs before sampling hides it); the
-        attach takes the pins over and its first call still streams. Nothing where the blocks
-        cannot be mapped (a page-lock CUDA refuses leaves that home pageable)."""
+        """Before the first attach (as swap.load_plan.pins_ahead says): page-lock every block's file
+        pages from now on, in call order; the attach takes the pins over, its first call still streams."""
         if self.att is None and self.ahead is None and self.map_block is not None:
             self._map_homes(frozenset(range(self.num_blocks)), compress=False)
             self.ahead = EarlyPins(self.pool, sorted(self.pool.mapped)) if self.pool.mapped else None
@@ -149,10 +147,9 @@ class BlockSwapEngine(BlockLoop):
             self.detach()
         t0 = time.perf_counter()
         placing = [i for i in plan.resident if self.states[i].device_buffer is None]
-        if ahead is not None:   # no page stays locked for a block this plan reads from the file
-            ahead.drop_except(self.pool, keep | frozenset(placing))
-            if compress or pin_memory == "off" or device.type != "cuda":
-                ahead = ahead.join()   # coded homes replace mapped ones; settle unpins what is not to pin
+        if ahead is not None:   # coded homes replace mapped ones; settle unpins what is not to pin
+            ahead = ahead.hand_over(self.pool, keep | frozenset(placing), not compress and pin_memory != "off"
+                                    and device.type == "cuda")
         report = progress if stream_first else read_progress(self.states, self.pool, keep | set(placing), progress) \
             if self.read_block is not None else None
         self._map_homes(keep | (frozenset(placing) if stream_first else frozenset()), compress)
@@ -292,7 +289,7 @@ class BlockSwapEngine(BlockLoop):
 
     def release_home(self) -> None:
         """Free the host homes and pins (the weights no longer needed: the model is being deleted)."""
-        self.ahead = self.ahead.join() if self.ahead is not None else None
+        self.ahead = self.ahead and self.ahead.join()
         self.detach()
         self.pool.release()
 

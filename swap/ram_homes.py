@@ -133,11 +133,17 @@ class EarlyPins:
         with driver_turns.aside():
             futures.wait(list(self.pins.values()))
 
-    def drop_except(self, pool: HostPool, wanted: frozenset[int]) -> None:
-        """Drop the homes pinned here that are not `wanted` (a pin in flight ends first: InPlace's lock)."""
+    def hand_over(self, pool: HostPool, wanted: frozenset[int], pinning: bool) -> "EarlyPins | None":
+        """To an attach: the homes pinned here that it does not want are dropped (a pin in flight ends
+        first: InPlace's lock), so no page stays locked for a block it reads from the file; self to
+        go on pinning the rest, or None once they are done where the attach does not pin."""
         for i in [i for i in self.pins if i not in wanted]:
             self.pins.pop(i).cancel()
             pool.drop(i)
+        if pinning:
+            return self
+        self.join()
+        return None
 
 
 def lock_early(pool: HostPool, device: torch.device, pin_memory: str, streamed: list[int],
