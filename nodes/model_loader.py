@@ -50,5 +50,5 @@ class RingSwapModelLoader:
         prompt_clock.node_started()
         path = folder_paths.get_full_path_or_raise("diffusion_models", unet_name)
         settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb, ram_budget_gb, compress)
-        base = cached_swapped_base(path, home, disk_workers, progress=progress_bar())
+        base = cached_swapped_base(path, home, disk_workers, progress=progress_bar(), settings=settings)
         return (SwapModelPatcher.wrap(base, settings, node=unique_id),)

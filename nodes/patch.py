@@ -32,4 +32,5 @@ class RingSwapPatch:
         prompt_clock.node_started()
         settings = SwapSettings(window, prefetch, pin_memory, vram_budget_gb, compress=compress)
         # A MODEL built for dynamic VRAM is cloned onto RingSwap's own load of its file.
-        return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar()), node=unique_id),)
+        return (SwapModelPatcher.wrap(model, settings, onto=own_model_for(model, progress_bar(), settings),
+                                      node=unique_id),)

@@ -16,13 +16,18 @@ mapping. Linux and Windows (mmap.ACCESS_READ); where CUDA refuses to register a 
 from __future__ import annotations
 
 import mmap
+import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
 
+from . import driver_turns
 from .host_pool import PAGE, REGISTER_READ_ONLY, register, unregister, whole_pages
-from .in_place import InPlace
+from .in_place import InPlace, register_pieces
+
+AHEAD_THREADS = 2   # lock_ahead's threads: the driver registers one piece at a time, a second touches pages meanwhile
 
 
 class FilePages:
@@ -38,6 +43,8 @@ class FilePages:
             warnings.simplefilter("ignore", UserWarning)
             self.data = torch.frombuffer(self.map, dtype=torch.uint8)
         self._pinnable: bool | None = None
+        self._ahead: dict[tuple[int, int], Future] = {}   # lock_ahead's registrations by page range
+        self._ahead_lock = threading.Lock()
 
     def pinnable(self) -> bool:
         """Can CUDA page-lock this mapping's pages (asked once: register a few pages and let them go)?
@@ -50,11 +57,80 @@ class FilePages:
             self._pinnable = budget is not False
         return self._pinnable
 
+    def lock_ahead(self, ranges: list[tuple[int, int]]) -> None:
+        """Page-lock the whole pages of each byte range [start, end) of the file, in this order, from
+        now on (a model's blocks, before the model is even built: swap/load_plan.pins_ahead); a
+        MappedBlock over exactly such a range takes the registration over (`take`)."""
+        if not ranges or not torch.cuda.is_available() or not self.pinnable():
+            return
+        threads = ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix="ringswap-pin-ahead")
+        data = self.data   # held by the threads: the pages stay mapped while they register
+        with self._ahead_lock:
+            for k, (start, end) in enumerate(ranges):
+                a, b = whole_pages(start, end)
+                if b > a and (a, b) not in self._ahead:
+                    self._ahead[(a, b)] = threads.submit(_lock_pages, data[a:b], k)
+        threads.shutdown(wait=False)
+
+    def take(self, start: int, end: int) -> list[tuple[int, int, object]] | None:
+        """The registrations lock_ahead made for exactly the pages [start, end) (waiting for them), or
+        None; one made for pages overlapping these is let go first (no page is registered twice)."""
+        with self._ahead_lock:
+            mine = self._ahead.pop((start, end), None)
+            others = [self._ahead.pop(r) for r in list(self._ahead) if r[0] < end and start < r[1]]
+        _let_go(others)
+        if mine is None or mine.cancel():
+            return None
+        with driver_turns.aside():
+            return mine.result()
+
+    def keep(self, ranges: set[tuple[int, int]]) -> None:
+        """Let go of lock_ahead's registrations of every page range but these (the blocks that will
+        have homes here)."""
+        with self._ahead_lock:
+            left = [self._ahead.pop(r) for r in list(self._ahead) if r not in ranges]
+        _let_go(left)
+
+    def release(self, start: int, end: int) -> None:
+        """Let go of lock_ahead's registration of [start, end) if no home took it over."""
+        with self._ahead_lock:
+            mine = self._ahead.pop((start, end), None)
+        _let_go([mine] if mine is not None else [])
+
     def close(self) -> None:
-        """Let go of the mapping: unmapped once no view of it is left. Not mmap.close(): torch.frombuffer's
-        views keep the mapping object alive but do not export its buffer, so close() would unmap pages a
-        home still copies from (or a pinning thread still registers: a crash)."""
+        """Let go of what lock_ahead registered and no home took over, and of the mapping: unmapped once
+        no view of it is left. Not mmap.close(): torch.frombuffer's views keep the mapping object alive
+        but do not export its buffer, so close() would unmap pages a home still copies from (or a
+        pinning thread still registers: a crash)."""
+        with self._ahead_lock:
+            left, self._ahead = list(self._ahead.values()), {}
+        _let_go(left)
         self.data = self.map = None
+
+
+def _lock_pages(pages: torch.Tensor, key: int) -> list[tuple[int, int, object]] | None:
+    """Register `pages` (a page-aligned view of the mapping) in REGISTER_PIECE pieces, page tables
+    filled first (a byte read a page), taking turns in call order `key`; None where CUDA refuses."""
+    int(pages[::PAGE].sum())
+    spans = []
+    with driver_turns.in_call_order(key):
+        for ptr, size in register_pieces([(pages.data_ptr(), pages.numel())]):
+            budget = register(ptr, size, REGISTER_READ_ONLY)
+            if budget is False:
+                for p, _, b in spans:
+                    unregister(p, b)
+                return None
+            spans.append((ptr, size, budget))
+    return spans
+
+
+def _let_go(pins: list[Future]) -> None:
+    """Unregister what these lock_ahead registrations hold (each waited for; one not begun is dropped)."""
+    for pin in pins:
+        if pin.cancel():
+            continue
+        for ptr, _, budget in pin.result() or ():
+            unregister(ptr, budget)
 
 
 class MappedBlock(InPlace):
@@ -82,13 +158,21 @@ class MappedBlock(InPlace):
         own = self._own_pages()
         return [(own.data_ptr(), own.numel())] if own.numel() else []
 
-    def pin(self) -> bool:
-        """Page-lock in place, the mapping's page tables filled first (a byte read a page, outside
-        the driver's lock, so on the pinning threads at once): the registration then runs at 28.6
-        GB/s instead of 18.1 (bench/probes/pin_contention.py --populate, bench/RESULTS.md)."""
+    def _pin(self) -> bool:
+        """Page-lock in place (under the pin lock): the registration FilePages.lock_ahead made of these
+        pages where there is one, else with the mapping's page tables filled first (a byte read a page,
+        outside the driver's lock): the registration then runs at 28.6 GB/s instead of 18.1
+        (bench/probes/pin_contention.py --populate, bench/RESULTS.md)."""
         if not self.pinned and torch.cuda.is_available():
+            spans = self.pages.take(*whole_pages(self.start, self.end))
+            if spans and self._adopt(spans):
+                return True
             int(self._own_pages()[::PAGE].sum())
-        return super().pin()
+        return super()._pin()
+
+    def unpin(self) -> None:
+        super().unpin()
+        self.pages.release(*whole_pages(self.start, self.end))
 
     def check(self) -> None:
         self.pages.check()

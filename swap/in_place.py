@@ -57,7 +57,7 @@ class InPlace:
             return True
         if not torch.cuda.is_available():
             return False
-        for ptr, size in _split(self._wanted()):
+        for ptr, size in register_pieces(self._wanted()):
             budget = False
             for flags in self.FLAGS:
                 budget = register(ptr, size, flags)
@@ -69,6 +69,20 @@ class InPlace:
                 return False
             self._spans.append((ptr, size, budget))
         self.pinned = True
+        if not self._keep_rest():
+            self._unpin()
+            return False
+        return True
+
+    def _adopt(self, spans: list[tuple[int, int, object]]) -> bool:
+        """Under the pin lock, not pinned yet: take over registrations made ahead for exactly this
+        home's pieces ((pointer, size, budget), swap/file_pages.py `FilePages.lock_ahead`); False, with
+        them let go, where they are not its pieces or its rest cannot be page-locked."""
+        if [(p, n) for p, n, _ in spans] != register_pieces(self._wanted()):
+            for ptr, _, budget in spans:
+                unregister(ptr, budget)
+            return False
+        self._spans, self.pinned = list(spans), True
         if not self._keep_rest():
             self._unpin()
             return False
@@ -162,7 +176,7 @@ class InPlace:
 REGISTER_PIECE = 256 << 20   # bytes a registration holds the driver for at most (~25 ms: swap/driver_turns.py)
 
 
-def _split(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def register_pieces(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Each (pointer, size) in REGISTER_PIECE pieces (page multiples), so a copy waits for one short one."""
     return [(p + k, min(REGISTER_PIECE, n - k)) for p, n in ranges for k in range(0, n, REGISTER_PIECE)]
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ...swap.file_pages import FilePages, MappedBlock
-from ...swap.host_pool import mapped_bytes
+from ...swap.host_pool import mapped_bytes, whole_pages
 from ...swap.layout import BlockBinding, BlockLayout
 from .range_reader import RangeReader
 from .safetensors_index import SafetensorsIndex
@@ -58,10 +58,11 @@ class BlockReads:
     (swap/read_ahead.py); `reader` is the RangeReader beneath it."""
 
     def __init__(self, index: SafetensorsIndex, reader: RangeReader, blocks: list[nn.Module],
-                 block_keys: list[str], file_key: Callable[[str], str] = str):
+                 block_keys: list[str], file_key: Callable[[str], str] = str, pages: FilePages | None = None):
         """`block_keys[i]` is the key prefix of block i, e.g. "blocks.7."; `file_key` gives the
         file's key of a tensor's key (ComfyUI may rename tensors and strips the file's prefix).
-        The blocks must still hold ComfyUI's freshly built (unloaded) tensors."""
+        The blocks must still hold ComfyUI's freshly built (unloaded) tensors. `pages`: the file
+        mapped already (its pages maybe page-locking ahead: FilePages.lock_ahead), used by `mapped`."""
         self.index = index
         self.reader = reader
         self.direct: list[list[tuple[int, int, int]]] = []
@@ -102,7 +103,7 @@ class BlockReads:
         self._cast_bufs: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(max(1, reader.workers // CAST_SHARE)):
             self._cast_bufs.put(mapped_bytes(0))
-        self._pages: FilePages | None = None
+        self._pages: FilePages | None = pages
         self._mapped: dict[int, MappedBlock] = {}
         self._said = False   # why the blocks cannot be mapped, logged once
 
@@ -130,6 +131,13 @@ class BlockReads:
         values = [(value, e.offset) for value, e in self.constants[block]]
         home = self._mapped[block] = MappedBlock(self._pages, self.direct[block] + casts, self._nbytes[block], values)
         return home
+
+    def keep_ahead(self) -> None:
+        """Where the file's pages page-lock ahead (FilePages.lock_ahead): let go of the pages of the
+        blocks that will not have a home in them."""
+        if self._pages is not None:
+            homes = [self.mapped(i) for i in range(len(self.direct))]
+            self._pages.keep({whole_pages(h.start, h.end) for h in homes if h is not None})
 
     def read_block(self, block: int, dest: torch.Tensor) -> Future:
         """Fill `dest` (uint8, the block's layout) from the file; a Future of bytes read."""

@@ -241,3 +241,27 @@ def test_a_model_dropped_while_its_pages_are_page_locked_leaves_the_next_exact(w
     model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
     assert torch.equal(forward(model, *inputs(seed=0)), want)
     comfy.model_management.unload_all_models()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_blocks_pages_page_lock_from_the_header_on_and_the_homes_take_them_over(wan):
+    """On a GPU the load starts page-locking every block's file pages as soon as it has read the
+    header (FilePages.lock_ahead), while it builds the model; each home in those pages takes its
+    block's registration over instead of registering again, so after the first call nothing is
+    left to the loader's own registrations; outputs equal the stock loader's; a model taken off
+    the device holds no pinned memory."""
+    path, want = wan
+    model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
+    engine = model.swap_engine
+    if not maps(engine):
+        pytest.skip("this file's blocks keep RAM homes on this GPU")
+    pages = engine.read_block.__self__._pages
+    assert pages is not None and pages._ahead, "nothing page-locking ahead"
+    assert torch.equal(forward(model, *inputs(seed=0)), want)
+    assert not pages._ahead   # every range taken over by its home
+    assert all(engine.pool.buffer(i).pinned for i in engine.plan.streamed)
+    comfy.model_management.unload_all_models()
+    assert not engine.pool.pinned_bytes
+    assert torch.equal(forward(model, *inputs(seed=0)), want)
+    comfy.model_management.unload_all_models()
