@@ -159,6 +159,19 @@ def _pages_ahead(index: SafetensorsIndex, home: str, settings: SwapSettings | No
     RAM for every block); else None."""
     if settings is None or not torch.cuda.is_available():
         return None
+    ranges = block_ranges(index)
+    facts = EngineFacts(block_sizes=tuple(b - a for a, b in ranges), policy=home_policy(home), own_load=True)
+    if not ranges or not pins_ahead(facts, run_facts.host_ram(comfy.model_management.get_torch_device()), settings):
+        return None
+    pages = FilePages(index.path)
+    pages.lock_ahead(ranges)
+    return pages
+
+
+def block_ranges(index: SafetensorsIndex) -> list[tuple[int, int]]:
+    """Each block's bytes in the file, [first tensor's start, last tensor's end), by block list
+    (ALL_NAMES order) and index: the ranges a MappedBlock of that block spans (read from the header,
+    before the model exists)."""
     spans: dict[tuple[str, int], list[int]] = {}
     for name, info in index.tensors.items():
         head, _, rest = name.removeprefix("model.diffusion_model.").partition(".")
@@ -166,10 +179,4 @@ def _pages_ahead(index: SafetensorsIndex, home: str, settings: SwapSettings | No
         if head in ALL_NAMES and number.isdigit():
             span = spans.setdefault((head, int(number)), [info.start, info.end])
             span[0], span[1] = min(span[0], info.start), max(span[1], info.end)
-    ranges = [tuple(spans[k]) for k in sorted(spans, key=lambda k: (ALL_NAMES.index(k[0]), k[1]))]
-    facts = EngineFacts(block_sizes=tuple(b - a for a, b in ranges), policy=home_policy(home), own_load=True)
-    if not ranges or not pins_ahead(facts, run_facts.host_ram(comfy.model_management.get_torch_device()), settings):
-        return None
-    pages = FilePages(index.path)
-    pages.lock_ahead(ranges)
-    return pages
+    return [(a, b) for a, b in (spans[k] for k in sorted(spans, key=lambda k: (ALL_NAMES.index(k[0]), k[1])))]

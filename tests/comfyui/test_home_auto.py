@@ -265,3 +265,18 @@ def test_the_blocks_pages_page_lock_from_the_header_on_and_the_homes_take_them_o
     assert not engine.pool.pinned_bytes
     assert torch.equal(forward(model, *inputs(seed=0)), want)
     comfy.model_management.unload_all_models()
+
+
+def test_the_block_ranges_read_from_the_header_are_the_homes_ranges(wan):
+    """The byte ranges the load page-locks from the header on (load_swapped.block_ranges, before the
+    model exists) are exactly those of the homes the engine later maps in the file's pages, block by
+    block, so each home can take its registration over (FilePages.take needs the same pages)."""
+    from ringswap.loaders.comfyui_adapter.load_swapped import block_ranges
+    from ringswap.loaders.model_file.safetensors_index import SafetensorsIndex
+    path, _ = wan
+    model = load_swapped_model(path, SwapSettings(3, 1, compress="off"), home="auto", disk_workers=2)
+    engine = model.swap_engine
+    homes = [engine.map_block(i) for i in range(engine.num_blocks)]
+    if any(h is None for h in homes):
+        pytest.skip("this file's blocks keep RAM homes here")
+    assert block_ranges(SafetensorsIndex.open(path)) == [(h.start, h.end) for h in homes]
