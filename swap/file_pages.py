@@ -111,7 +111,7 @@ class FilePages:
 def _lock_pages(pages: torch.Tensor, key: int) -> list[tuple[int, int, object]] | None:
     """Register `pages` (a page-aligned view of the mapping) in REGISTER_PIECE pieces, page tables
     filled first (a byte read a page), taking turns in call order `key`; None where CUDA refuses."""
-    int(pages[::PAGE].sum())
+    fill_page_tables(pages)
     spans = []
     with driver_turns.in_call_order(key):
         for ptr, size in register_pieces([(pages.data_ptr(), pages.numel())]):
@@ -122,6 +122,12 @@ def _lock_pages(pages: torch.Tensor, key: int) -> list[tuple[int, int, object]] 
                 return None
             spans.append((ptr, size, budget))
     return spans
+
+
+def fill_page_tables(pages: torch.Tensor) -> None:
+    """Fill the mapping's page tables for `pages` (a byte read a page), outside the driver's lock, so a
+    registration after it runs at 28.6 GB/s instead of 18.1 (bench/probes/pin_contention.py --populate)."""
+    int(pages[::PAGE].sum())
 
 
 def _let_go(pins: list[Future]) -> None:
@@ -167,7 +173,7 @@ class MappedBlock(InPlace):
             spans = self.pages.take(*whole_pages(self.start, self.end))
             if spans and self._adopt(spans):
                 return True
-            int(self._own_pages()[::PAGE].sum())
+            fill_page_tables(self._own_pages())
         return super()._pin()
 
     def unpin(self) -> None:
