@@ -97,6 +97,8 @@ class SwapModelPatcher(comfy.model_patcher.ModelPatcher):
         n.patches_uuid = uuid.uuid4()
         if pins_ahead(state.engine.facts(), run_facts.host_ram(n.load_device), settings):
             state.engine.pin_ahead(n.load_device)
+            if state.engine.ahead is not None:   # ComfyUI's CUDA calls up to the attach go first (PATIENCE_S at most)
+                driver_turns.Hold()
         if settings.window > state.engine.num_blocks:
             log.warning("RingSwap: window=%d is more than the model's %d blocks; using %d (all resident)",
                         settings.window, state.engine.num_blocks, state.engine.num_blocks)
