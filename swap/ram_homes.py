@@ -107,6 +107,7 @@ class EarlyPins:
     def __init__(self, pool: HostPool, blocks: list[int]):
         self.pins: dict[int, futures.Future] = {}
         self.done_at = 0.0   # perf_counter when the last pin so far ended
+        self.by_attach = (0, 0)   # bytes of the homes it had page-locked by the attach (hand_over), of those it pins
         self.add(pool, blocks)
 
     def add(self, pool: HostPool, blocks: list[int]) -> None:
@@ -140,6 +141,8 @@ class EarlyPins:
         for i in [i for i in self.pins if i not in wanted]:
             self.pins.pop(i).cancel()
             pool.drop(i)
+        sizes = {i: pool.buffer(i).nbytes for i in self.pins}
+        self.by_attach = (sum(n for i, n in sizes.items() if self.pins[i].done()), sum(sizes.values()))
         if pinning:
             return self
         self.join()

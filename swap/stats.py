@@ -20,6 +20,7 @@ class FirstCall:
     pin_s: float          # page-locking of the homes this call read and the blocks it placed, summed over threads
     pin_wait_s: float = 0.0   # the call's thread waited for page-locking (a slot's copy, a resident block's)
     pins_end_s: float = 0.0   # when the last home or placed block was page-locked (0: nothing was)
+    ahead: tuple[int, int] = (0, 0)   # bytes page-locked ahead (engine.pin_ahead) by the attach, of all pinned ahead
 
 
 @dataclass
@@ -131,6 +132,8 @@ class RunStats:
         if f is not None:
             rate = f" ({f.read / f.reads_s / 1e9:.1f} GB/s)" if f.reads_s > 0.01 else ""
             ended = f", the last {f.pins_end_s:.2f} s after the attach" if f.pins_end_s else ""
+            if f.ahead[1]:
+                ended += f" ({f.ahead[0] / 1e9:.2f} of {f.ahead[1] / 1e9:.2f} GB pinned ahead were done by the attach)"
             out += (f"; the first call computed as its blocks arrived: {f.read / 1e9:.2f} GB read from the file in "
                     f"{f.reads_s:.2f} s{rate}, homes page-locked in {f.pin_s:.2f} s{ended}, all in {f.seconds:.2f} s, "
                     f"compute waited {f.read_wait_s:.2f} s for reads and {f.pin_wait_s:.2f} s for page-locking")

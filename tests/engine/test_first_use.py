@@ -147,6 +147,10 @@ def test_the_run_line_says_what_the_first_call_waited_for():
     words = stats.first_words()
     assert "homes page-locked in 3.66 s, the last 1.70 s after the attach, all in 1.91 s" in words, words
     assert "compute waited 0.00 s for reads and 0.62 s for page-locking" in words, words
+    stats.first_call = FirstCall(read=0, seconds=1.6, read_wait_s=0.0, reads_s=0.0, pin_s=0.0, pin_wait_s=0.4,
+                                 pins_end_s=1.5, ahead=(14 * 10**9, 28 * 10**9))
+    assert "the last 1.50 s after the attach (14.00 of 28.00 GB pinned ahead were done by the attach)" in \
+        stats.first_words()
     stats.first_call = FirstCall(read=10**9, seconds=0.5, read_wait_s=0.1, reads_s=0.25, pin_s=0.0)
     assert "1.00 GB read from the file in 0.25 s (4.0 GB/s), homes page-locked in 0.00 s, all in 0.50 s" in \
         stats.first_words()
