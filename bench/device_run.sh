@@ -49,7 +49,8 @@
 # ttfs-ab (issue 53: the users' cell, 5-step prompt, RingSwap Patch on 0.33 dynamic VRAM, for each pack tree in
 # RINGSWAP_AB_TREES, default "main ." (.before/NAME, "." this tree; carry .before), first one ComfyUI dynamic VRAM
 # cell (it writes the model where the machine lacks it, ~70 s more, and leaves the file in the page cache), then
-# two rounds in alternating order; ~45 s a cell warm).
+# RINGSWAP_AB_ROUNDS rounds (default 2), each in the other order, and where the first ComfyUI cell wrote the model
+# a second, clean one last; ~45 s a cell warm).
 # compare-workflow-12h (issue 53, the workflow cell as users run it: Wan 2.2's two experts, a rank-64 LoRA on
 # every block linear of each, 4 + 4 steps at cfg 1 as KSamplerAdvanced splits them, 32,760 tokens, 12 GiB, halved
 # link; first and next prompt of ComfyUI alone and RingSwap on 0.33 dynamic VRAM (Patch, Loader home=auto) and
@@ -174,17 +175,19 @@ for p in "$@"; do
                     --json "$OUT/vace_033dyn.json" ;;
     compare-cfg5-12h) compare cfg5_12h 470 --tokens 7800 --cfgs 5 --links halved --caps 12 --configs comfy-0.33-dyn@0 \
                         rs-patch-0.33-dyn comfy-0.33-dyn rs-loader-0.33-dyn comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.3.75 ;;
-    ttfs-ab) trees=(${RINGSWAP_AB_TREES:-main .})   # the users' cell per tree (.before/NAME; "." this tree), two rounds
+    ttfs-ab) trees=(${RINGSWAP_AB_TREES:-main .})   # the users' cell per tree (.before/NAME; "." this tree)
       secs=120; [ -e "$users_file" ] || secs=200
       compare ab_comfy $secs --tokens 7800 --cfgs 5 --links halved --configs comfy-0.33-dyn@12   # first: it may write the model
-      for round in 1 2; do
-        [ $round = 2 ] && trees=($(printf '%s\n' "${trees[@]}" | tac))   # the second round in the other order
+      for round in $(seq 1 "${RINGSWAP_AB_ROUNDS:-2}"); do
+        [ $round -gt 1 ] && trees=($(printf '%s\n' "${trees[@]}" | tac))   # each round in the other order
         for t in "${trees[@]}"; do
           pack=""; [ "$t" = . ] || pack="$PWD/.before/$t"
           RINGSWAP_PACK_DIR="$pack" compare "ab_${t//./here}_$round" 125 --tokens 7800 --cfgs 5 --links halved \
             --configs rs-patch-0.33-dyn@12
         done
-      done ;;
+      done
+      # a ComfyUI cell that wrote the model read its file just written: one more, clean, at the end
+      [ $secs = 200 ] && compare ab_comfy_again 120 --tokens 7800 --cfgs 5 --links halved --configs comfy-0.33-dyn@12 ;;
     compare-ttfs-stock) compare ttfs_stock 420 --tokens 7800 --cfgs 5 --links halved \
                           --configs comfy-0.3.75@12 rs-patch-0.3.75@12 comfy-0.33@12 rs-patch-0.33@12 ;;
     compare-ttfs-12h) compare ttfs_12h 500 "${ttfs_12h[@]}" ;;
