@@ -33,7 +33,8 @@
 # 7,800 tokens; ComfyUI resident, dynamic VRAM, 0.3.75 native and RingSwap; ~7 / ~4 min).
 # ttfs-diag (issue 53: where the 0.33 Patch's first step goes: a 2-step prompt of the users' cell under
 # bench/probes/trace_calls.py, its timeline in $OUT/rs-patch-0.33-dyn_12.txt, then bench/probes/held_copy.py
-# on the same file; 5 files, ~4.5 min with the file's write).
+# on the same file; 5 files, ~4.5 min with the file's write); ttfs-trace (the traced prompt alone, without
+# held_copy, which hung once: ~2 min warm, ~3 with the file's write).
 # ttfs-gpu (issue 53: the users' cell as a 2-step prompt, RingSwap Patch and ComfyUI 0.33 dynamic VRAM, each
 # under bench/probes/gpu_timeline.py: $OUT/CONFIG_gpu.txt, its streams' kernels and copies in 50 ms bins).
 # pin-probe (issue 53: bench/probes/pin_contention.py on a 17 GB file in the page cache: page-locking by
@@ -147,10 +148,10 @@ for p in "$@"; do
     stream-bf16) part stream_bf16 420 "$bench_comfy" "" python3 bench/probes/stream.py --formats bf16 --odirect-gb 0 \
                    --budget-s 390 --json "$OUT/stream_bf16.json" ;;
     compare-base) compare base 400 --groups base ;;
-    ttfs-diag) export RINGSWAP_BENCH_TRACE="$OUT"   # the 0.33 Patch's TTFS traced, then page-locking's rates
+    ttfs-diag|ttfs-trace) export RINGSWAP_BENCH_TRACE="$OUT"   # the 0.33 Patch's TTFS traced, then page-locking's rates
       compare ttfs_diag 170 --tokens 7800 --cfgs 5 --links halved --prompt-steps 2 --configs rs-patch-0.33-dyn@12
       unset RINGSWAP_BENCH_TRACE
-      part held_copy 150 0.3.75 0 python3 -u bench/probes/held_copy.py "$users_file" ;;
+      [ "$p" = ttfs-trace ] || part held_copy 150 0.3.75 0 python3 -u bench/probes/held_copy.py "$users_file" ;;
     ttfs-gpu) export RINGSWAP_BENCH_GPU="$OUT"   # the users' cell's first steps on the GPU, the Patch and ComfyUI
       compare ttfs_gpu 240 --tokens 7800 --cfgs 5 --links halved --prompt-steps 2 \
         --configs rs-patch-0.33-dyn@12 comfy-0.33-dyn@12
@@ -257,7 +258,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/probes/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-ttfs-stock ttfs-ab ttfs-diag ttfs-gpu compare-workflow-12h compare-workflow-12h-full-033 compare-workflow-12h-full-075 compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-ttfs-stock ttfs-ab ttfs-diag ttfs-trace ttfs-gpu compare-workflow-12h compare-workflow-12h-full-033 compare-workflow-12h-full-075 compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
