@@ -5,7 +5,8 @@ sys.monitoring (Python 3.12+): a call is timed only where its code is RingSwap's
 sampling and loading entry points, or one of torch's waits and module moves (TORCH); every other
 code object is switched off at its first event, so the run keeps its pace (cProfile times
 everything, and its cumulative times mix threads). Written at exit: the calls of at least MIN_S,
-by start time, with their thread and nesting depth.
+and every call of the few decisions in ALWAYS with what it returned, by start time, with their
+thread and nesting depth.
 
     python3 bench/probes/trace_calls.py OUT.txt bench/compare_child.py ARGS...
 """
@@ -22,6 +23,9 @@ COMFY = ("comfy/sample.py", "comfy/samplers.py", "comfy/model_management.py", "c
          "comfy/model_patcher.py", "comfy/sampler_helpers.py", "comfy/utils.py", "/nodes.py", "compare_child.py")
 TORCH = {("torch/cuda/__init__.py", "synchronize"), ("torch/nn/modules/module.py", "Module.to"),
          ("torch/cuda/streams.py", "Stream.synchronize"), ("torch/cuda/streams.py", "Event.synchronize")}
+# the page-locking ahead's decisions, however short: did the node's wrap page-lock ahead, and which attach took it
+ALWAYS = {"pins_ahead", "BlockSwapEngine.pin_ahead", "EarlyPins.hand_over", "lock_early", "BlockSwapEngine.attach",
+          "FilePages.lock_ahead", "SwapModelPatcher.wrap"}
 DISABLE = getattr(getattr(sys, "monitoring", None), "DISABLE", None)
 TOOL = 4   # a sys.monitoring tool id no profiler or debugger takes
 
@@ -52,8 +56,12 @@ class Tracer:
             c, t = stack.pop()
             if c is code:
                 dt = time.perf_counter() - t
-                if dt >= MIN_S:
+                always = "ringswap" in code.co_filename and code.co_qualname in ALWAYS
+                if dt >= MIN_S or always:
                     name = f"{os.path.basename(code.co_filename)}:{code.co_qualname}"
+                    if always:
+                        name += f" -> {type(value).__name__ if value is not None else None}"
+                        name += f" {value}" if isinstance(value, (bool, int, tuple)) else ""
                     self.calls.append((t - self.t0, dt, threading.current_thread().name, len(stack), name))
                 return
 
