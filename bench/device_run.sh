@@ -118,9 +118,10 @@ compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s 
 }
 bench_comfy="${RINGSWAP_COMFY:-0.3.75}"
 users_file=/tmp/ringswap_bench/wan_bf16_l40_d5120.safetensors   # the users' cell's model, as compare.py writes it
+users_cell=(--tokens 7800 --cfgs 5 --links halved)   # the users' cell (bf16, 12 GiB via each config's @12)
 # the users' TTFS cell with a 20-step first prompt, warm or --cold: ComfyUI and RingSwap as users get them on
 # both versions, the Loader with home=ram last (dropped where the budget ends)
-ttfs_12h=(--tokens 7800 --cfgs 5 --links halved --prompt-steps 20 --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12
+ttfs_12h=("${users_cell[@]}" --prompt-steps 20 --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12
           rs-auto-0.3.75@12 comfy-0.3.75@12 rs-loader-0.3.75@12)
 for p in "$@"; do
   case $p in
@@ -149,7 +150,7 @@ for p in "$@"; do
                    --budget-s 390 --json "$OUT/stream_bf16.json" ;;
     compare-base) compare base 400 --groups base ;;
     ttfs-diag|ttfs-trace) export RINGSWAP_BENCH_TRACE="$OUT"   # the 0.33 Patch's TTFS traced, then page-locking's rates
-      compare ttfs_diag 170 --tokens 7800 --cfgs 5 --links halved --prompt-steps 2 --configs rs-patch-0.33-dyn@12
+      compare ttfs_diag 170 "${users_cell[@]}" --prompt-steps 2 --configs rs-patch-0.33-dyn@12
       unset RINGSWAP_BENCH_TRACE
       [ "$p" = ttfs-trace ] || part held_copy 150 0.3.75 0 python3 -u bench/probes/held_copy.py "$users_file" ;;
     ttfs-gpu) export RINGSWAP_BENCH_GPU="$OUT"   # the users' cell's first steps on the GPU, the Patch and ComfyUI
@@ -178,17 +179,16 @@ for p in "$@"; do
                         rs-patch-0.33-dyn comfy-0.33-dyn rs-loader-0.33-dyn comfy-0.3.75@0 rs-patch-0.3.75 comfy-0.3.75 ;;
     ttfs-ab) trees=(${RINGSWAP_AB_TREES:-main .})   # the users' cell per tree (.before/NAME; "." this tree)
       secs=120; [ -e "$users_file" ] || secs=200
-      compare ab_comfy $secs --tokens 7800 --cfgs 5 --links halved --configs comfy-0.33-dyn@12   # first: it may write the model
+      compare ab_comfy $secs "${users_cell[@]}" --configs comfy-0.33-dyn@12   # first: it may write the model
       for round in $(seq 1 "${RINGSWAP_AB_ROUNDS:-2}"); do
         [ $round -gt 1 ] && trees=($(printf '%s\n' "${trees[@]}" | tac))   # each round in the other order
         for t in "${trees[@]}"; do
           pack=""; [ "$t" = . ] || pack="$PWD/.before/$t"
-          RINGSWAP_PACK_DIR="$pack" compare "ab_${t//./here}_$round" 125 --tokens 7800 --cfgs 5 --links halved \
-            --configs rs-patch-0.33-dyn@12
+          RINGSWAP_PACK_DIR="$pack" compare "ab_${t//./here}_$round" 125 "${users_cell[@]}" --configs rs-patch-0.33-dyn@12
         done
       done
       # a ComfyUI cell that wrote the model read its file just written: one more, clean, at the end
-      [ $secs = 200 ] && compare ab_comfy_again 120 --tokens 7800 --cfgs 5 --links halved --configs comfy-0.33-dyn@12 ;;
+      [ $secs = 200 ] && compare ab_comfy_again 120 "${users_cell[@]}" --configs comfy-0.33-dyn@12 ;;
     compare-ttfs-stock) compare ttfs_stock 420 --tokens 7800 --cfgs 5 --links halved \
                           --configs comfy-0.3.75@12 rs-patch-0.3.75@12 comfy-0.33@12 rs-patch-0.33@12 ;;
     compare-ttfs-12h) compare ttfs_12h 500 "${ttfs_12h[@]}" ;;
