@@ -210,10 +210,10 @@ class FirstUse:
         self._report()
         seconds = time.perf_counter() - self.t0
         pins_end = max(self.pins_end, self.pinning.done_at if self.pinning is not None else 0.0)
+        ahead = self.pinning.by_attach if self.pinning is not None else (0, 0)   # read before stop() lets go of it
         self.stop()
         return FirstCall(self.nbytes, seconds, self.att.stats.read_wait_s, self.reads_done - self.t0, self.pin_s,
-                         self.pin_wait_s, pins_end - self.t0 if pins_end else 0.0,
-                         self.pinning.by_attach if self.pinning is not None else (0, 0))
+                         self.pin_wait_s, pins_end - self.t0 if pins_end else 0.0, ahead)
 
     def _let_go(self) -> None:
         if self.hold is not None:

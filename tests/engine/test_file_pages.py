@@ -240,3 +240,26 @@ def test_homes_mapped_ahead_leave_the_first_call_streaming(tmp_path):
     assert set(engine.pool.mapped) == set(kept)   # the resident blocks' pages given back once placed
     engine.detach()
     engine.release_home()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pins_made_ahead_on_cuda_go_on_through_the_attach(tmp_path):
+    """CUDA: engine.pin_ahead's pins are handed over at the attach (EarlyPins.hand_over) and go on;
+    the first call records their bytes (the run line's "pinned ahead were done by the attach"),
+    the streamed homes end page-locked and outputs equal the blocks run alone."""
+    ref = run(make_blocks().cuda(), X.cuda())
+    blocks = make_blocks()
+    engine = BlockSwapEngine(list(blocks), read_block=FileLike(blocks).read, home="auto", disk_workers=2,
+                             map_block=write_file(blocks, os.path.join(tmp_path, "p.bin"), gap=3000))
+    engine.pin_ahead("cuda")
+    assert engine.ahead is not None
+    engine.attach("cuda", load_plan(ResidencyPlan.make(N, 2, 1), stream_first=True))
+    for _ in range(3):
+        assert torch.equal(run(blocks, X.cuda()), ref)
+    done, total = engine.end_run().first_call.ahead
+    assert 0 <= done <= total and total >= sum(engine.pool.mapped[i].nbytes for i in engine.plan.streamed) > 0
+    assert all(engine.pool.mapped[i].pinned for i in engine.plan.streamed)
+    engine.detach()
+    assert engine.pool.pinned_bytes == 0
+    engine.release_home()

@@ -137,6 +137,22 @@ def test_streamed_first_call_on_cuda_is_exact_and_pins_the_homes(pin_memory):
         engine.release_home()
 
 
+def test_the_first_call_keeps_what_the_pins_made_ahead_had_done():
+    """The first call's record keeps EarlyPins.by_attach (the pins made ahead, done by the attach), read
+    before the first use lets go of its pinning: the run line's "pinned ahead were done by the attach"
+    never showed on a GPU while it was read after (bench/RESULTS.md, twenty-first session)."""
+    from ringswap.swap.ram_homes import EarlyPins
+    blocks = make_blocks()
+    engine, _ = _engine(blocks)
+    engine.attach("cpu", load_plan(ResidencyPlan.make(N, 3, 1), stream_first=True))
+    pinning = EarlyPins(engine.pool, [])   # on CPU the attach pins nothing: hand one over as a GPU's would be
+    pinning.by_attach = (5, 9)
+    engine.att.first_use.pinning = pinning
+    run(blocks, X)
+    assert engine.end_run().first_call.ahead == (5, 9)
+    engine.detach()
+
+
 def test_the_run_line_says_what_the_first_call_waited_for():
     """The run line's first-call words: what it read and when, when page-locking ended, and what
     its thread waited for, reads and page-locking apart (where a first call's time goes on a GPU)."""
