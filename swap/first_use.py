@@ -213,7 +213,7 @@ class FirstUse:
         ahead = self.pinning.by_attach if self.pinning is not None else (0, 0)   # read before stop() lets go of it
         self.stop()
         return FirstCall(self.nbytes, seconds, self.att.stats.read_wait_s, self.reads_done - self.t0, self.pin_s,
-                         self.pin_wait_s, pins_end - self.t0 if pins_end else 0.0, ahead)
+                         self.pin_wait_s, max(0.0, pins_end - self.t0), ahead)   # 0: every pin ended by the attach
 
     def _let_go(self) -> None:
         if self.hold is not None:

@@ -19,7 +19,7 @@ class FirstCall:
     reads_s: float        # when the last read was done
     pin_s: float          # page-locking of the homes this call read and the blocks it placed, summed over threads
     pin_wait_s: float = 0.0   # the call's thread waited for page-locking (a slot's copy, a resident block's)
-    pins_end_s: float = 0.0   # when the last home or placed block was page-locked (0: nothing was)
+    pins_end_s: float = 0.0   # when the last home or placed block was page-locked after the attach (0: none was)
     ahead: tuple[int, int] = (0, 0)   # bytes page-locked ahead (engine.pin_ahead) by the attach, of all pinned ahead
 
 

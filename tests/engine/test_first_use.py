@@ -1,6 +1,8 @@
 """A load's first call computes as its blocks arrive from the file (swap/first_use.py), on CPU and
 (marked gpu) CUDA: it starts before the file is read in full, is bit-exact at every window,
 prefetch and home, and a read error or an exception during it leaves nothing half-placed."""
+import time
+
 import pytest
 import torch
 
@@ -146,10 +148,11 @@ def test_the_first_call_keeps_what_the_pins_made_ahead_had_done():
     engine, _ = _engine(blocks)
     engine.attach("cpu", load_plan(ResidencyPlan.make(N, 3, 1), stream_first=True))
     pinning = EarlyPins(engine.pool, [])   # on CPU the attach pins nothing: hand one over as a GPU's would be
-    pinning.by_attach = (5, 9)
+    pinning.by_attach, pinning.done_at = (5, 9), time.perf_counter() - 5.0   # every pin ended before the attach
     engine.att.first_use.pinning = pinning
     run(blocks, X)
-    assert engine.end_run().first_call.ahead == (5, 9)
+    first = engine.end_run().first_call
+    assert first.ahead == (5, 9) and first.pins_end_s == 0.0   # not "the last -5 s after the attach"
     engine.detach()
 
 
