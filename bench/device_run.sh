@@ -122,6 +122,7 @@ compare() {   # compare NAME SECONDS ARGS...: bench/compare.py, its budget 25 s 
 bench_comfy="${RINGSWAP_COMFY:-0.3.75}"
 users_file=/tmp/ringswap_bench/wan_bf16_l40_d5120.safetensors   # the users' cell's model, as compare.py writes it
 users_cell=(--tokens 7800 --cfgs 5 --links halved)   # the users' cell (bf16, 12 GiB via each config's @12)
+pack_dir() { [ "$1" = . ] || echo "$PWD/.before/$1"; }   # an A/B tree's pack: .before/NAME, "" for this tree
 # the users' TTFS cell with a 20-step first prompt, warm or --cold: ComfyUI and RingSwap as users get them on
 # both versions, the Loader with home=ram last (dropped where the budget ends)
 ttfs_12h=("${users_cell[@]}" --prompt-steps 20 --configs comfy-0.33-dyn@12 rs-patch-0.33-dyn@12
@@ -186,8 +187,7 @@ for p in "$@"; do
       for round in $(seq 1 "${RINGSWAP_AB_ROUNDS:-2}"); do
         [ $round -gt 1 ] && trees=($(printf '%s\n' "${trees[@]}" | tac))   # each round in the other order
         for t in "${trees[@]}"; do
-          pack=""; [ "$t" = . ] || pack="$PWD/.before/$t"
-          RINGSWAP_PACK_DIR="$pack" compare "ab_${t//./here}_$round" 125 "${users_cell[@]}" --configs rs-patch-0.33-dyn@12
+          RINGSWAP_PACK_DIR="$(pack_dir "$t")" compare "ab_${t//./here}_$round" 125 "${users_cell[@]}" --configs rs-patch-0.33-dyn@12
         done
       done
       # a ComfyUI cell that wrote the model read its file just written: one more, clean, at the end
@@ -196,8 +196,7 @@ for p in "$@"; do
       wf=(--workflow --layers 20 --prompt-steps 8)
       compare wf_comfy 175 "${wf[@]}" --configs comfy-0.33-dyn@12
       for t in "${trees[@]}"; do
-        pack=""; [ "$t" = . ] || pack="$PWD/.before/$t"
-        RINGSWAP_PACK_DIR="$pack" compare "wf_${t//./here}" 125 "${wf[@]}" --configs rs-patch-0.33-dyn@12
+        RINGSWAP_PACK_DIR="$(pack_dir "$t")" compare "wf_${t//./here}" 125 "${wf[@]}" --configs rs-patch-0.33-dyn@12
       done ;;
     compare-ttfs-stock) compare ttfs_stock 420 --tokens 7800 --cfgs 5 --links halved \
                           --configs comfy-0.3.75@12 rs-patch-0.3.75@12 comfy-0.33@12 rs-patch-0.33@12 ;;

@@ -172,11 +172,6 @@ def block_ranges(index: SafetensorsIndex) -> list[tuple[int, int]]:
     """Each block's bytes in the file, [first tensor's start, last tensor's end), by block list
     (ALL_NAMES order) and index: the ranges a MappedBlock of that block spans (read from the header,
     before the model exists)."""
-    spans: dict[tuple[str, int], list[int]] = {}
-    for name, info in index.tensors.items():
-        head, _, rest = name.removeprefix("model.diffusion_model.").partition(".")
-        number = rest.partition(".")[0]
-        if head in ALL_NAMES and number.isdigit():
-            span = spans.setdefault((head, int(number)), [info.start, info.end])
-            span[0], span[1] = min(span[0], info.start), max(span[1], info.end)
-    return [(a, b) for a, b in (spans[k] for k in sorted(spans, key=lambda k: (ALL_NAMES.index(k[0]), k[1])))]
+    return [(min(i.start for i in infos), max(i.end for i in infos))
+            for name in ALL_NAMES for prefix in ("", "model.diffusion_model.")
+            for infos in index.blocks_by_index(f"{prefix}{name}.").values()]
