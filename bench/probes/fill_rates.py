@@ -150,6 +150,71 @@ def memory_facts() -> dict:
     return out
 
 
+class Rows:
+    """The probe's record: named rows of seconds over the file's bytes, printed as they come."""
+
+    def __init__(self, out: dict, total: int) -> None:
+        self.out, self.total = out, total
+
+    def __call__(self, name: str, secs: float, **kw) -> None:
+        r = {"name": name, "seconds": secs, "gbps": self.total / secs / 1e9, **kw}
+        self.out["rows"].append(r)
+        print(json.dumps(r), flush=True)
+
+
+def windowed_rows(row: Rows, path: str, n: int, block: int) -> None:
+    """The first call's windowed read + pin, with and without the link loaded (CUDA)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from link_load import LinkLoad
+    for load in (False, True):
+        with LinkLoad(load):
+            for pins in (0, 2):
+                w = windowed(path, n, block, 16, pins)
+                row(f"windowed 6, pin threads {pins}, link load {load}", w["seconds"], workers=16, pin_s=w["pin_s"])
+    row.out["after_windowed_gbps"] = warm(path)
+    row.out["memory_after"] = memory_facts()
+
+
+def fresh_rows(row: Rows, path: str, n: int, block: int, workers: list[int]) -> None:
+    """Reads into fresh pageable memory (page cache dropped or not) and into huge pages."""
+    for w in workers:
+        for kind, drop in (("fresh", True), ("fresh", False), ("huge", False)):
+            bufs = fresh(n, block, kind)
+            row(f"{kind} drop={drop}", fill(path, bufs, block, w, drop), workers=w)
+            del bufs
+            if drop:
+                warm(path)
+
+
+def pool_rows(row: Rows, path: str, n: int, block: int, workers: list[int]) -> None:
+    """Reads into a touched pool, pageable then page-locked, and the pool's copy to the GPU."""
+    from ringswap.swap.host_pool import HostBuffer
+    hb = [HostBuffer(block) for _ in range(n)]
+    t1 = time.perf_counter()
+    for b in hb:
+        b.flat.zero_()
+    row("touch (torch zero_)", time.perf_counter() - t1)
+    for w in workers:
+        row("touched, pageable", fill(path, [b.flat for b in hb], block, w, False), workers=w)
+    if not torch.cuda.is_available():
+        return
+    for threads in (1, 4):
+        row.out[f"pin_gbps_{threads}"] = pin_rate(hb, threads)
+    for b in hb:
+        b.pin()
+    for w in workers:
+        row("pinned pool", fill(path, [b.flat for b in hb], block, w, False), workers=w)
+    dev = torch.empty(block, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    for b in hb:
+        dev.copy_(b.flat, non_blocking=True)
+    torch.cuda.synchronize()
+    row("pinned -> device", time.perf_counter() - t1)
+    for b in hb:
+        b.unpin()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=12.0)
@@ -166,63 +231,18 @@ def main() -> None:
     size = write_file(path, a.gb)
     block = a.block_mb * 1_000_000 // 4096 * 4096
     n = size // block
-    total = n * block
-    out = {"gb": total / 1e9, "blocks": n, "write_s": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
+    out = {"gb": n * block / 1e9, "blocks": n, "write_s": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
            "cpus": os.cpu_count(), "rows": []}
-
-    def row(name, secs, **kw):
-        r = {"name": name, "seconds": secs, "gbps": total / secs / 1e9, **kw}
-        out["rows"].append(r)
-        print(json.dumps(r), flush=True)
-
+    row = Rows(out, n * block)
     out["warm_gbps"] = warm(path)
     out["rewarm_gbps"] = warm(path)   # a second read: the page cache kept it?
     out["memory"] = memory_facts()
     print(json.dumps({k: out[k] for k in ("warm_gbps", "rewarm_gbps", "memory")}), flush=True)
     if torch.cuda.is_available() and a.windowed:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from link_load import LinkLoad
-        for load in (False, True):
-            with LinkLoad(load):
-                for pins in (0, 2):
-                    w = windowed(path, n, block, 16, pins)
-                    row(f"windowed 6, pin threads {pins}, link load {load}", w["seconds"], workers=16, pin_s=w["pin_s"])
-        out["after_windowed_gbps"] = warm(path)
-        out["memory_after"] = memory_facts()
-    for w in ([] if a.only_windowed else a.workers):
-        for kind, drop in (("fresh", True), ("fresh", False), ("huge", False)):
-            bufs = fresh(n, block, kind)
-            row(f"{kind} drop={drop}", fill(path, bufs, block, w, drop), workers=w)
-            del bufs
-            if drop:
-                warm(path)
-    if a.only_windowed:
-        print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
-        return
-    from ringswap.swap.host_pool import HostBuffer
-    hb = [HostBuffer(block) for _ in range(n)]
-    t1 = time.perf_counter()
-    for b in hb:
-        b.flat.zero_()
-    row("touch (torch zero_)", time.perf_counter() - t1)
-    for w in a.workers:
-        row("touched, pageable", fill(path, [b.flat for b in hb], block, w, False), workers=w)
-    if torch.cuda.is_available():
-        for threads in (1, 4):
-            out[f"pin_gbps_{threads}"] = pin_rate(hb, threads)
-        for b in hb:
-            b.pin()
-        for w in a.workers:
-            row("pinned pool", fill(path, [b.flat for b in hb], block, w, False), workers=w)
-        dev = torch.empty(block, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        for b in hb:
-            dev.copy_(b.flat, non_blocking=True)
-        torch.cuda.synchronize()
-        row("pinned -> device", time.perf_counter() - t1)
-        for b in hb:
-            b.unpin()
+        windowed_rows(row, path, n, block)
+    if not a.only_windowed:
+        fresh_rows(row, path, n, block, a.workers)
+        pool_rows(row, path, n, block, a.workers)
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}), flush=True)
     if a.json:
         with open(a.json, "w") as f:
