@@ -52,6 +52,8 @@
 # cell (it writes the model where the machine lacks it, ~70 s more, and leaves the file in the page cache), then
 # RINGSWAP_AB_ROUNDS rounds (default 2), each in the other order, and where the first ComfyUI cell wrote the model
 # a second, clean one last; ~45 s a cell warm).
+# gpu-ab (the GPU tests, tests/engine and tests/comfyui, of each pack tree in RINGSWAP_AB_TREES, default ".", run in
+# that tree with its pack in ComfyUI 0.33 dynamic VRAM: a branch's merge gate beside an A/B; ~3-5 min a tree).
 # workflow-ab (issue 53: compare-workflow-12h's half-depth cell, RingSwap Patch on 0.33 dynamic VRAM, once per pack
 # tree in RINGSWAP_AB_TREES as ttfs-ab takes them, after one ComfyUI dynamic VRAM cell that writes the two experts
 # where the machine lacks them; ~2.5 min + ~1.5 min a tree; each compare part its own table, ratios by hand).
@@ -192,6 +194,10 @@ for p in "$@"; do
       done
       # a ComfyUI cell that wrote the model read its file just written: one more, clean, at the end
       [ $secs = 200 ] && compare ab_comfy_again 120 "${users_cell[@]}" --configs comfy-0.33-dyn@12 ;;
+    gpu-ab) for t in ${RINGSWAP_AB_TREES:-.}; do   # each tree's own GPU tests, its pack in ComfyUI (0.33 dynamic VRAM)
+        d=.; [ "$t" = . ] || d=".before/$t"
+        RINGSWAP_PACK_DIR="$(pack_dir "$t")" part "gpu_ab_${t//./here}" 300 0.33 1 bash -c "cd '$d' && $gpu_tests"
+      done ;;
     workflow-ab) trees=(${RINGSWAP_AB_TREES:-main .})   # the workflow cell per tree (.before/NAME; "." this tree)
       wf=(--workflow --layers 20 --prompt-steps 8)
       compare wf_comfy 175 "${wf[@]}" --configs comfy-0.33-dyn@12
@@ -267,7 +273,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/probes/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-ttfs-stock ttfs-ab workflow-ab ttfs-diag ttfs-trace ttfs-gpu compare-workflow-12h compare-workflow-12h-full-033 compare-workflow-12h-full-075 compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-ttfs-stock ttfs-ab gpu-ab workflow-ab ttfs-diag ttfs-trace ttfs-gpu compare-workflow-12h compare-workflow-12h-full-033 compare-workflow-12h-full-075 compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
