@@ -195,8 +195,8 @@ for p in "$@"; do
       # a ComfyUI cell that wrote the model read its file just written: one more, clean, at the end
       [ $secs = 200 ] && compare ab_comfy_again 120 "${users_cell[@]}" --configs comfy-0.33-dyn@12 ;;
     gpu-ab) for t in ${RINGSWAP_AB_TREES:-.}; do   # each tree's own GPU tests, its pack in ComfyUI (0.33 dynamic VRAM)
-        d=.; [ "$t" = . ] || d=".before/$t"
-        RINGSWAP_PACK_DIR="$(pack_dir "$t")" part "gpu_ab_${t//./here}" 300 0.33 1 bash -c "cd '$d' && $gpu_tests"
+        pack="$(pack_dir "$t")"
+        RINGSWAP_PACK_DIR="$pack" part "gpu_ab_${t//./here}" 300 0.33 1 bash -c "cd '${pack:-.}' && $gpu_tests"
       done ;;
     workflow-ab) trees=(${RINGSWAP_AB_TREES:-main .})   # the workflow cell per tree (.before/NAME; "." this tree)
       wf=(--workflow --layers 20 --prompt-steps 8)

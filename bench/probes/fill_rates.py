@@ -231,9 +231,10 @@ def main() -> None:
     size = write_file(path, a.gb)
     block = a.block_mb * 1_000_000 // 4096 * 4096
     n = size // block
-    out = {"gb": n * block / 1e9, "blocks": n, "write_s": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
+    total = n * block
+    out = {"gb": total / 1e9, "blocks": n, "write_s": time.perf_counter() - t0, "torch_threads": torch.get_num_threads(),
            "cpus": os.cpu_count(), "rows": []}
-    row = Rows(out, n * block)
+    row = Rows(out, total)
     out["warm_gbps"] = warm(path)
     out["rewarm_gbps"] = warm(path)   # a second read: the page cache kept it?
     out["memory"] = memory_facts()
