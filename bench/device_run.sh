@@ -57,6 +57,9 @@
 # workflow-ab (issue 53: compare-workflow-12h's half-depth cell, RingSwap Patch on 0.33 dynamic VRAM, once per pack
 # tree in RINGSWAP_AB_TREES as ttfs-ab takes them, after one ComfyUI dynamic VRAM cell that writes the two experts
 # where the machine lacks them; ~2.5 min + ~1.5 min a tree; each compare part its own table, ratios by hand).
+# compress-ttfs-ab (issue 53: compress=on TTFS against off, the users' cell with 5-step prompts, RingSwap Loader
+# home=auto on 0.3.75, off then on per pack tree in RINGSWAP_AB_TREES (default "main ."); carry .whl-nvcomp and
+# .before; the first cell writes the model where the machine lacks it; ~1 min a cell warm).
 # compare-workflow-12h (issue 53, the workflow cell as users run it: Wan 2.2's two experts, a rank-64 LoRA on
 # every block linear of each, 4 + 4 steps at cfg 1 as KSamplerAdvanced splits them, 32,760 tokens, 12 GiB, halved
 # link; first and next prompt of ComfyUI alone and RingSwap on 0.33 dynamic VRAM (Patch, Loader home=auto) and
@@ -204,6 +207,12 @@ for p in "$@"; do
       for t in "${trees[@]}"; do
         RINGSWAP_PACK_DIR="$(pack_dir "$t")" compare "wf_${t//./here}" 125 "${wf[@]}" --configs rs-patch-0.33-dyn@12
       done ;;
+    compress-ttfs-ab) for t in ${RINGSWAP_AB_TREES:-main .}; do   # compress on against off, per tree
+        for mode in off on; do
+          RINGSWAP_PACK_DIR="$(pack_dir "$t")" compare "cttfs_${t//./here}_$mode" 150 "${users_cell[@]}" \
+            --configs rs-auto-0.3.75@12 --compress $mode
+        done
+      done ;;
     compare-ttfs-stock) compare ttfs_stock 420 --tokens 7800 --cfgs 5 --links halved \
                           --configs comfy-0.3.75@12 rs-patch-0.3.75@12 comfy-0.33@12 rs-patch-0.33@12 ;;
     compare-ttfs-12h) compare ttfs_12h 500 "${ttfs_12h[@]}" ;;
@@ -273,7 +282,7 @@ for p in "$@"; do
     gap-033) part gap_033 300 0.33 0 python3 bench/probes/gap_profile.py --json "$OUT/gap_033.json" ;;
     gap-rs) part gap_rs 240 0.3.75 0 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 10 --json "$OUT/gap_rs.json" ;;
     gap-033-dyn) part gap_033_dyn 240 0.33 1 python3 bench/probes/gap_profile.py --tokens 7800 --windows 29 --json "$OUT/gap_033_dyn.json" ;;
-    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-ttfs-stock ttfs-ab gpu-ab workflow-ab ttfs-diag ttfs-trace ttfs-gpu compare-workflow-12h compare-workflow-12h-full-033 compare-workflow-12h-full-075 compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
+    *) echo "unknown part: $p (suite suite-033 suite-033-dyn gpu gpu-033 gpu-033-dyn gpu-gguf gpu-gguf-033-dyn gguf-12h-lora gguf-q4k-8 gguf-12h-c1 dyn-bench auto auto-033-dyn auto-fp8-033-dyn fold fold-gguf kernels kernels-kq stream-quant stream-fp8 stream-bf16 compare-base compare-24-peers compare-24-rs compare-12-peers compare-12-rs compare-disk compare-fp8-base compare-fp8-24 compare-fp8-12 compare-repeat compare-cfg5-12h compare-ttfs-12h compare-ttfs-12h-cold compare-ttfs-stock ttfs-ab gpu-ab workflow-ab compress-ttfs-ab ttfs-diag ttfs-trace ttfs-gpu compare-workflow-12h compare-workflow-12h-full-033 compare-workflow-12h-full-075 compare-cfg1-12h compare-fp8-12h compare-fp8-lora compare-compile compare-smoke ram-32 experts-64 experts-fp8-32 cfg5-first families families-033-dyn vace-033-dyn live-033 gap gap-033 gap-rs gap-033-dyn compress-12h compress-auto-12h compress-c1-12h compress-image-12h compress-hide-24 ref-24 compress-experts-48 plane-probe read-probe compare:NAME:SECONDS:ARGS)"; exit 2 ;;
   esac
 done
 for f in "$OUT"/*.log; do
